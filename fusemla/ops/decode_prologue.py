@@ -1,0 +1,388 @@
+"""The fused MLA decode prologue: absorbed W_UK BMM + RoPE + 576-wide concat + paged KV-cache write.
+
+One launch, one flat grid with two kinds of program:
+
+* BMM programs, ``H * cdiv(L, BLOCK_L) * n_chunks`` of them. Program (h, l-tile, chunk) loads its
+  ``[P, BLOCK_L]`` slice of ``W_UK_T[h]`` once, then walks its chunk of tokens ``BLOCK_T`` at a
+  time: ``q[t, h, l-tile] = q_nope[t, h, :] @ W`` on the tensor cores, stored straight into the
+  query buffer (zero-copy concat). With one chunk every weight byte is read once per launch;
+  large batches split the tokens into a few chunks so the grid fills the GPU.
+* Token programs, one per token: rotate ``q_pe`` of every head into ``q[t, :, L:]``, rotate
+  ``k_pe`` and write ``[kv_c, k_pe_rot]`` (quantized for an FP8 cache) into the token's slot.
+  Their token range is independent of the BMM's, which is what decode-first mixed batches need
+  (prefill tokens get RoPE and the cache write but no BMM).
+
+Out-of-range values the host cannot see without a device sync never cause an out-of-bounds
+access: positions are clamped into ``[0, max_position)``; slots that are negative or
+``>= num_blocks * block_size`` write nothing. ``FUSEMLA_DEBUG_CHECKS=1`` turns both into errors
+(see :mod:`fusemla.config`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from fusemla import config
+from fusemla.ops import checks
+from fusemla.ops.triton_helpers import cast_rne, rope_indices, round_to_fp8_grid
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bmm_program(
+    pid, B, tokens_per_chunk, n_chunks,
+    p_qn, s_qn_t, s_qn_h,
+    p_w, s_w_h, s_w_p,
+    p_q, s_q_t, s_q_h,
+    P: tl.constexpr, L: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
+):
+    NL: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
+    i_c = pid % n_chunks
+    i_hl = pid // n_chunks
+    i_h = i_hl // NL
+    i_l = i_hl % NL
+
+    o_p = tl.arange(0, BLOCK_P)
+    o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    m_p = o_p < P
+    m_l = o_l < L
+    # [BLOCK_P, BLOCK_L]: this head's weight slice, read once for all of the chunk's tokens
+    p_wt = p_w + i_h.to(tl.int64) * s_w_h + o_p[:, None] * s_w_p + o_l[None, :]
+    b_w = tl.load(p_wt, mask=m_p[:, None] & m_l[None, :], other=0.0)
+    if DOT_FP32:
+        b_w = b_w.to(tl.float32)
+
+    t_start = i_c * tokens_per_chunk
+    t_end = tl.minimum(t_start + tokens_per_chunk, B)
+    for t0 in range(t_start, t_end, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < t_end
+        o_t64 = o_t.to(tl.int64)
+        # [BLOCK_T, BLOCK_P]
+        p_a = p_qn + o_t64[:, None] * s_qn_t + i_h * s_qn_h + o_p[None, :]
+        b_a = tl.load(p_a, mask=m_t[:, None] & m_p[None, :], other=0.0)
+        if DOT_FP32:
+            b_a = b_a.to(tl.float32)
+        # [BLOCK_T, BLOCK_L]
+        b_o = tl.dot(b_a, b_w)
+        p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
+        tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16), mask=m_t[:, None] & m_l[None, :])
+
+
+@triton.jit
+def _to_cache(x, scale, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
+    """fp32 row values -> what the cache stores (exact saturating FP8 when KV_FP8 != 0)."""
+    if KV_FP8 != 0:
+        x = round_to_fp8_grid(tl.math.div_rn(x, scale), FP8_MAX, FP8_MIN_EXP, KV_FP8 == 1)
+    return x
+
+
+@triton.jit
+def _token_program(
+    t, max_pos, num_slots, block_size,
+    p_qp, s_qp_t, s_qp_h,
+    p_kvc, s_kvc_t,
+    p_kpe, s_kpe_t,
+    p_pos, s_pos,
+    p_cos, s_cos, p_sin, s_sin,
+    p_slot, s_slot,
+    p_scale, scale_value,
+    p_q, s_q_t, s_q_h,
+    p_cache, s_cache_b, s_cache_s,
+    H: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
+    IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    SCALE_FROM_PTR: tl.constexpr, FIX_BF16: tl.constexpr,
+):
+    t64 = t.to(tl.int64)
+    pos = tl.load(p_pos + t64 * s_pos).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    o_partner, o_col, sign = rope_indices(o_r, R, IS_NEOX)
+    b_cos = tl.load(p_cos + pos * s_cos + o_col, mask=m_r, other=0.0).to(tl.float32)
+    b_sin = tl.load(p_sin + pos * s_sin + o_col, mask=m_r, other=0.0).to(tl.float32) * sign
+
+    # q_pe of every head -> q[t, :, L:L+R]
+    for h0 in range(0, H, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = (o_h < H)[:, None] & m_r[None, :]
+        p_x = p_qp + t64 * s_qp_t + o_h[:, None] * s_qp_h
+        # [BLOCK_H, BLOCK_R]
+        b_x = tl.load(p_x + o_r[None, :], mask=m, other=0.0).to(tl.float32)
+        b_y = tl.load(p_x + o_partner[None, :], mask=m, other=0.0).to(tl.float32)
+        b_out = b_x * b_cos[None, :] + b_y * b_sin[None, :]
+        p_o = p_q + t64 * s_q_t + o_h[:, None] * s_q_h + L + o_r[None, :]
+        tl.store(p_o, cast_rne(b_out, p_q.dtype.element_ty, FIX_BF16), mask=m)
+
+    # [kv_c, rope(k_pe)] -> the token's cache row
+    slot = tl.load(p_slot + t64 * s_slot).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots):
+        if SCALE_FROM_PTR:
+            scale = tl.load(p_scale).to(tl.float32)
+        else:
+            scale = scale_value
+        p_row = p_cache + (slot // block_size) * s_cache_b + (slot % block_size) * s_cache_s
+        cache_ty = p_cache.dtype.element_ty
+        for l0 in range(0, L, BLOCK_LC):
+            o_c = l0 + tl.arange(0, BLOCK_LC)
+            m_c = o_c < L
+            b_c = tl.load(p_kvc + t64 * s_kvc_t + o_c, mask=m_c, other=0.0).to(tl.float32)
+            b_c = _to_cache(b_c, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
+            tl.store(p_row + o_c, cast_rne(b_c, cache_ty, FIX_BF16), mask=m_c)
+        p_k = p_kpe + t64 * s_kpe_t
+        b_k = tl.load(p_k + o_r, mask=m_r, other=0.0).to(tl.float32)
+        b_kp = tl.load(p_k + o_partner, mask=m_r, other=0.0).to(tl.float32)
+        b_k = b_k * b_cos + b_kp * b_sin
+        b_k = _to_cache(b_k, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
+        tl.store(p_row + L + o_r, cast_rne(b_k, cache_ty, FIX_BF16), mask=m_r)
+
+
+@triton.jit(do_not_specialize=["B", "n_bmm", "tokens_per_chunk", "n_chunks", "num_slots",
+                               "max_pos", "scale_value"])
+def mla_decode_prologue_kernel(
+    p_qn, s_qn_t, s_qn_h,
+    p_qp, s_qp_t, s_qp_h,
+    p_kvc, s_kvc_t,
+    p_kpe, s_kpe_t,
+    p_w, s_w_h, s_w_p,
+    p_pos, s_pos,
+    p_cos, s_cos, p_sin, s_sin,
+    p_slot, s_slot,
+    p_scale, scale_value,
+    p_q, s_q_t, s_q_h,
+    p_cache, s_cache_b, s_cache_s,
+    B, n_bmm, tokens_per_chunk, n_chunks, max_pos, num_slots, block_size,
+    H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
+    IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, DOT_FP32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < n_bmm:
+        _bmm_program(
+            pid, B, tokens_per_chunk, n_chunks,
+            p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_q, s_q_t, s_q_h,
+            P, L, BLOCK_P, BLOCK_L, BLOCK_T, DOT_FP32, FIX_BF16,
+        )
+    else:
+        _token_program(
+            pid - n_bmm, max_pos, num_slots, block_size,
+            p_qp, s_qp_t, s_qp_h, p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_pos, s_pos,
+            p_cos, s_cos, p_sin, s_sin, p_slot, s_slot, p_scale, scale_value,
+            p_q, s_q_t, s_q_h, p_cache, s_cache_b, s_cache_s,
+            H, R, L, BLOCK_H, BLOCK_R, BLOCK_LC,
+            IS_NEOX, KV_FP8, FP8_MAX, FP8_MIN_EXP, SCALE_FROM_PTR, FIX_BF16,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+_FP8_FORMATS = {  # cache dtype -> (KV_FP8 code, max, smallest normal exponent)
+    torch.float8_e4m3fn: (1, 448.0, -6),
+    torch.float8_e4m3fnuz: (2, 240.0, -7),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(H: int, P: int, R: int, L: int, backend: str) -> dict:
+    """Tile sizes for one model shape on one backend ("cuda", "hip" or "interpreter").
+
+    Keyed on the model dims only: the token count is a runtime argument, so changing the batch
+    size never recompiles. ``programs_per_sm`` sets how finely large batches are split into
+    token chunks (each chunk re-reads its weight slice once).
+    """
+    block_p = triton.next_power_of_2(P)
+    block_r = triton.next_power_of_2(R)
+    if backend == "interpreter":
+        # few, fat programs: the interpreter's cost is per program and per op
+        return dict(BLOCK_P=block_p, BLOCK_L=triton.next_power_of_2(L), BLOCK_T=16,
+                    BLOCK_H=triton.next_power_of_2(H), BLOCK_R=block_r,
+                    BLOCK_LC=triton.next_power_of_2(L), num_warps=1, num_stages=1,
+                    programs_per_sm=0.0)
+    block_l = 64 if H <= 32 else 128
+    return dict(BLOCK_P=block_p, BLOCK_L=min(block_l, triton.next_power_of_2(L)), BLOCK_T=32,
+                BLOCK_H=min(16, triton.next_power_of_2(H)), BLOCK_R=block_r,
+                BLOCK_LC=min(512, triton.next_power_of_2(L)), num_warps=4, num_stages=2,
+                programs_per_sm=2.0)
+
+
+def _split_tokens(B: int, n_hl: int, cfg: dict, num_sms: int) -> tuple[int, int]:
+    """(tokens_per_chunk, n_chunks): one chunk unless the (head, L-tile) grid underfills the GPU."""
+    block_t = cfg["BLOCK_T"]
+    n_tiles = triton.cdiv(max(B, 1), block_t)
+    want = int(cfg["programs_per_sm"] * num_sms) // max(n_hl, 1)
+    n_chunks = max(1, min(n_tiles, want))
+    tiles_per_chunk = triton.cdiv(n_tiles, n_chunks)
+    tokens_per_chunk = tiles_per_chunk * block_t
+    return tokens_per_chunk, triton.cdiv(max(B, 1), tokens_per_chunk)
+
+
+def _backend(device: torch.device) -> str:
+    if config.interpreting():
+        return "interpreter"
+    return "hip" if torch.version.hip is not None else "cuda"
+
+
+def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = None) -> None:
+    """Launch the kernel on validated arguments, writing ``q`` and ``args.kv_cache``."""
+    B, H, P, R, L = args.B, args.H, args.P, args.R, args.L
+    if B == 0:
+        return
+    backend = _backend(q.device)
+    if cfg is None:
+        cfg = launch_config(H, P, R, L, backend)
+    n_hl = H * triton.cdiv(L, cfg["BLOCK_L"])
+    num_sms = 1 if backend == "interpreter" else _num_sms(q.device.index or 0)
+    tokens_per_chunk, n_chunks = _split_tokens(B, n_hl, cfg, num_sms)
+    n_bmm = n_hl * n_chunks
+
+    kv_cache = args.kv_cache
+    kv_fp8, fp8_max, fp8_min_exp = _FP8_FORMATS.get(kv_cache.dtype, (0, 0.0, 0))
+    scale = args.kv_scale
+    scale_from_ptr = isinstance(scale, torch.Tensor)
+    p_scale = scale if scale_from_ptr else args.slot_mapping
+    scale_value = 1.0 if scale_from_ptr or scale is None else float(scale)
+    interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
+
+    qn, qp, kvc, kpe, w = args.q_nope, args.q_pe, args.kv_c, args.k_pe, args.w_uk_t
+    grid = (n_bmm + B,)
+    mla_decode_prologue_kernel[grid](
+        qn, qn.stride(0), qn.stride(1),
+        qp, qp.stride(0), qp.stride(1),
+        kvc, kvc.stride(0),
+        kpe, kpe.stride(0),
+        w, w.stride(0), w.stride(1),
+        args.positions, args.positions.stride(0),
+        args.cos_cache, args.cos_cache.stride(0), args.sin_cache, args.sin_cache.stride(0),
+        args.slot_mapping, args.slot_mapping.stride(0),
+        p_scale, scale_value,
+        q, q.stride(0), q.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        B, n_bmm, tokens_per_chunk, n_chunks, args.cos_cache.shape[0],
+        kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1],
+        H=H, P=P, R=R, L=L,
+        BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"],
+        IS_NEOX=args.is_neox, KV_FP8=kv_fp8, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
+        SCALE_FROM_PTR=scale_from_ptr, DOT_FP32=interp, FIX_BF16=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration (torch.compile / CUDA graphs see one opaque, mutating op)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusemla::mla_decode_prologue", mutates_args=("q_out", "kv_cache"))
+def _prologue_op(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+    w_uk_t: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    is_neox: bool, kv_scale_tensor: Optional[torch.Tensor], kv_scale_value: float,
+    q_out: torch.Tensor,
+) -> None:
+    scale = kv_scale_tensor if kv_scale_tensor is not None else kv_scale_value
+    args = checks.validate(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
+                           kv_cache, slot_mapping, is_neox, scale, q_out)
+    _run(args, q_out)
+
+
+@_prologue_op.register_fake
+def _(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
+      slot_mapping, is_neox, kv_scale_tensor, kv_scale_value, q_out) -> None:
+    return None
+
+
+def _run(args: checks.PrologueArgs, q: torch.Tensor) -> None:
+    if config.debug_checks():
+        checks.check_device_values(args)
+    if q.device.type == "cpu" and not config.interpreting():
+        # No Triton backend for CPU tensors: run the unfused path (same semantics).
+        from fusemla.reference import prologue_into
+
+        prologue_into(args, q)
+        return
+    launch(args, q)
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+
+def mla_decode_prologue(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk_t: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    is_neox: bool = False,
+    kv_scale: Union[float, torch.Tensor, None] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Fused MLA decode prologue: ``q = [q_nope @ W_UK_T[h], rope(q_pe)]`` and the cache write.
+
+    Shapes (B tokens, H heads, P = qk_nope_head_dim, R = qk_rope_head_dim, L = kv_lora_rank):
+
+    - ``q_nope [B, H, P]``, ``q_pe [B, H, R]``: bf16 or fp16; any strides, last dim contiguous
+      (slices of the q_b_proj output ``[B, H, P + R]`` work as they are).
+    - ``kv_c [B, L]``: the normalized latent; ``k_pe [B, R]`` or ``[B, 1, R]``, not yet rotated.
+    - ``w_uk_t [H, P, L]``: the absorbed key up-projection, in the activations' dtype.
+    - ``positions [B]`` (int32/int64); ``cos_cache``, ``sin_cache [max_position, R/2]``
+      (fp32/bf16/fp16; :func:`fusemla.rope.split_cos_sin_cache` splits an engine's cache).
+    - ``kv_cache [num_blocks, block_size, L + R]``: bf16/fp16, or float8_e4m3fn/float8_e4m3fnuz
+      with ``kv_scale`` (a positive float, or a 1-element fp32 tensor read on the device).
+      Row ``slot`` is ``kv_cache[slot // block_size, slot % block_size]``; it receives
+      ``[kv_c, rope(k_pe)]``, for FP8 as ``saturate(x / kv_scale)`` rounded to nearest even.
+      ``kv_scale`` is ignored for a bf16/fp16 cache.
+    - ``slot_mapping [B]`` (int32/int64): a negative slot (or one past the cache) writes nothing.
+    - ``is_neox``: False = interleaved pairs (2i, 2i+1), DeepSeek's; True = pairs (i, i + R/2).
+
+    Returns ``q [B, H, L + R]`` in the activations' dtype (``out`` if given):
+    ``q[..., :L] = q_nope @ w_uk_t[h]`` (fp32 accumulation, one rounding) and
+    ``q[..., L:] = rope(q_pe)``. Positions outside the RoPE cache are clamped to its ends.
+
+    Raises :class:`~fusemla.errors.FuseMLAValueError` / :class:`~fusemla.errors.FuseMLATypeError`
+    on bad input, before anything is launched or written. No device sync unless
+    ``FUSEMLA_DEBUG_CHECKS=1``.
+    """
+    args = checks.validate(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
+                           kv_cache, slot_mapping, is_neox, kv_scale, out)
+    q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R))
+    if torch.compiler.is_compiling():
+        scale_t = kv_scale if isinstance(kv_scale, torch.Tensor) else None
+        scale_v = 1.0 if isinstance(kv_scale, torch.Tensor) or kv_scale is None else kv_scale
+        _prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, args.w_uk_t, args.positions,
+                     args.cos_cache, args.sin_cache, args.kv_cache, args.slot_mapping,
+                     bool(is_neox), scale_t, float(scale_v), q)
+    else:
+        _run(args, q)
+    return q

@@ -1,0 +1,74 @@
+"""Triton helpers shared by fusemla's kernels: RoPE partner indexing and exact FP8 rounding."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope_indices(o_r, R: tl.constexpr, IS_NEOX: tl.constexpr):
+    """For lane ``o_r`` of an R-wide rotary vector: (partner lane, cos/sin column, sign).
+
+    The rotated value is ``x[o_r] * cos[col] + sign * x[partner] * sin[col]``.
+    Interleaved (GPT-J, DeepSeek): pairs (2i, 2i+1) rotate by angle i.
+    NeoX: pairs (i, i + R/2) rotate by angle i.
+    """
+    HALF: tl.constexpr = R // 2
+    if IS_NEOX:
+        partner = tl.where(o_r < HALF, o_r + HALF, o_r - HALF)
+        col = tl.where(o_r < HALF, o_r, o_r - HALF)
+        sign = tl.where(o_r < HALF, -1.0, 1.0)
+    else:
+        partner = o_r ^ 1
+        col = o_r // 2
+        sign = tl.where((o_r % 2) == 0, -1.0, 1.0)
+    return partner, col, sign
+
+
+@triton.jit
+def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, NEG_ZERO: tl.constexpr):
+    """Round fp32 ``x`` onto the e4m3 grid (3 mantissa bits), ties to even, saturating at FP8_MAX.
+
+    The result is an fp32 value that the FP8 format represents exactly, so any later cast is
+    exact; this sidesteps Triton's fp32 -> fp8 downcast, which loses the rounding carry under the
+    interpreter (triton #8322). ``MIN_EXP`` is the smallest normal exponent (-6 for e4m3fn,
+    -7 for e4m3fnuz); below it the grid spacing stays 2**(MIN_EXP - 3) (subnormals).
+    ``NEG_ZERO`` keeps the sign of zero (e4m3fn has -0; in e4m3fnuz that byte is NaN).
+    NaN stays NaN.
+    """
+    a = tl.minimum(tl.abs(x), FP8_MAX)
+    bits = a.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) - 127, MIN_EXP)
+    # grid spacing 2**(e - 3) and its inverse, built from exponent bits (exact powers of two)
+    quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_quantum = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)
+    m = a * inv_quantum  # < 16, exact
+    r = (m + 8388608.0) - 8388608.0  # round half to even onto the integers (fp32 RNE add)
+    y = r * quantum
+    if NEG_ZERO:
+        y = tl.where(x.to(tl.int32, bitcast=True) < 0, -y, y)
+    else:
+        y = tl.where((x < 0) & (y > 0), -y, y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def round_to_bf16_grid(x):
+    """Round fp32 ``x`` to the nearest bf16 value, ties to even, returned as fp32.
+
+    Triton's interpreter truncates in its fp32 -> bf16 cast; rounding first makes that cast
+    exact, so CPU runs agree with torch (and with the GPU, whose cast already rounds).
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def cast_rne(x, ty: tl.constexpr, FIX_BF16: tl.constexpr):
+    """``x.to(ty)`` rounding to nearest even also where the backend's bf16 cast does not."""
+    if FIX_BF16:
+        if ty == tl.bfloat16:
+            x = round_to_bf16_grid(x)
+    return x.to(ty)

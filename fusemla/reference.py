@@ -1,0 +1,110 @@
+"""The unfused MLA decode prologue in plain PyTorch: what engines run today, and the fallback.
+
+Four steps, as an engine runs them: the absorbed BMM (``torch.bmm`` in the activations' dtype,
+fp32 accumulation), RoPE on ``q_pe`` and ``k_pe`` in fp32, the concat, and the paged cache write.
+Same signature and semantics as :func:`fusemla.mla_decode_prologue`, including skipped slots
+(negative or past the cache) and clamped positions. No step syncs the device, so it can be
+captured in a CUDA graph and compiled with ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from fusemla.ops.checks import FP8_CACHE_DTYPES, PrologueArgs, validate
+from fusemla.rope import apply_rope
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for e4m3fn, 240 for e4m3fnuz)."""
+    return float(torch.finfo(dtype).max)
+
+
+def quantize_fp8(x: torch.Tensor, scale: Union[float, torch.Tensor], dtype: torch.dtype):
+    """``saturate(x / scale)`` cast to ``dtype``, rounded to nearest even (fp32 math)."""
+    m = fp8_max(dtype)
+    return (x.float() / scale).clamp(-m, m).to(dtype)
+
+
+def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat[slots[t]] = rows[t]`` for valid slots (0 <= slot < len(flat)), without a sync.
+
+    Boolean indexing would sync (nonzero). Instead every skipped token is redirected to the
+    first valid token's slot with that token's row, so the duplicate index writes identical
+    bytes; when no token is valid, the skipped ones rewrite row 0 with its own current bytes.
+    """
+    if flat.element_size() == 1:  # FP8: move bytes (few ops are implemented for float8 dtypes)
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    n = flat.shape[0]
+    slots = slots.long()
+    valid = (slots >= 0) & (slots < n)
+    first = torch.argmax(valid.to(torch.int32))  # first valid token, or 0 when none is valid
+    any_valid = valid[first]
+    target = torch.where(any_valid, slots[first].clamp(0, n - 1), torch.zeros_like(slots[first]))
+    fill = torch.where(any_valid, rows[first], flat[target])
+    idx = torch.where(valid, slots, target)
+    vals = torch.where(valid[:, None], rows, fill[None, :])
+    flat.index_copy_(0, idx, vals)
+
+
+def prologue_into(args: PrologueArgs, q: torch.Tensor) -> None:
+    """Run the unfused prologue on validated arguments, writing ``q`` and the cache."""
+    if args.B == 0:
+        return
+    dtype = args.q_nope.dtype
+    L = args.L
+    # 1. absorbed BMM: [H, B, P] @ [H, P, L] -> [H, B, L]
+    ql_nope = torch.bmm(args.q_nope.transpose(0, 1), args.w_uk_t).transpose(0, 1)
+    # 2. RoPE (positions clamped like the kernel's)
+    pos = args.positions.long().clamp(0, args.cos_cache.shape[0] - 1)
+    cos = args.cos_cache[pos].float()
+    sin = args.sin_cache[pos].float()
+    q_pe = apply_rope(args.q_pe, cos[:, None, :], sin[:, None, :], args.is_neox)
+    k_pe = apply_rope(args.k_pe, cos, sin, args.is_neox)
+    # 3. concat into the 576-wide query
+    q[..., :L] = ql_nope
+    q[..., L:] = q_pe.to(dtype)
+    # 4. paged KV-cache write
+    cache = args.kv_cache
+    row_fp32 = torch.cat([args.kv_c.float(), k_pe], dim=-1)
+    if cache.dtype in FP8_CACHE_DTYPES:
+        rows = quantize_fp8(row_fp32, args.kv_scale, cache.dtype)
+    else:
+        rows = torch.cat([args.kv_c.to(cache.dtype), k_pe.to(cache.dtype)], dim=-1)
+    flat = cache.view(-1, cache.shape[-1]) if cache.is_contiguous() else None
+    if flat is not None:
+        _scatter_rows(flat, args.slot_mapping, rows)
+    else:  # strided cache: scatter through the (block, offset) view
+        bs = cache.shape[1]
+        n = cache.shape[0] * bs
+        slots = args.slot_mapping.long()
+        valid = (slots >= 0) & (slots < n)
+        for t in valid.nonzero().flatten().tolist():
+            s = int(slots[t])
+            cache[s // bs, s % bs] = rows[t]
+
+
+def mla_decode_prologue_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk_t: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    is_neox: bool = False,
+    kv_scale: Union[float, torch.Tensor, None] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Unfused reference of :func:`fusemla.mla_decode_prologue` (same arguments and result)."""
+    args = validate(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
+                    kv_cache, slot_mapping, is_neox, kv_scale, out)
+    q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R))
+    prologue_into(args, q)
+    return q
