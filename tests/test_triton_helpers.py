@@ -1,0 +1,73 @@
+"""The shared Triton helpers, byte for byte against torch's casts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fusemla.ops.triton_helpers import cast_rne, round_to_fp8_grid
+
+FP8 = {  # dtype -> (max, smallest normal exponent, keeps -0)
+    torch.float8_e4m3fn: (448.0, -6, True),
+    torch.float8_e4m3fnuz: (240.0, -7, False),
+}
+
+
+@triton.jit
+def _round_kernel(p_x, p_y, n, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
+                  NEG_ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(p_x + o, mask=m, other=0.0)
+    tl.store(p_y + o, round_to_fp8_grid(x, FP8_MAX, MIN_EXP, NEG_ZERO), mask=m)
+
+
+@triton.jit
+def _bf16_kernel(p_x, p_y, n, FIX: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(p_y + o, cast_rne(tl.load(p_x + o, mask=m, other=0.0), p_y.dtype.element_ty, FIX),
+             mask=m)
+
+
+def _fp8_probe_values(dtype: torch.dtype) -> torch.Tensor:
+    fmax = FP8[dtype][0]
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid)]
+    mids = (grid[:-1].sort().values + grid.sort().values[1:]) / 2  # exact ties
+    g = torch.Generator().manual_seed(0)
+    rand = torch.cat([
+        torch.randn(1 << 16, generator=g) * s for s in (1e-3, 0.05, 1.0, 30.0, fmax)
+    ])
+    special = torch.tensor([0.0, -0.0, fmax, -fmax, fmax * 1.03, -fmax * 1.5, 1e30, -1e30,
+                            float("inf"), float("-inf"), 2.0 ** -12, -(2.0 ** -12), 31.6])
+    return torch.cat([grid, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                      rand, special]).contiguous()
+
+
+@pytest.mark.parametrize("dtype", list(FP8), ids=str)
+def test_fp8_rounding_matches_torch_saturating_cast(device, dtype):
+    fmax, min_exp, neg_zero = FP8[dtype]
+    x = _fp8_probe_values(dtype).to(device)
+    y = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), FP8_MAX=fmax,
+                                                    MIN_EXP=min_exp, NEG_ZERO=neg_zero, BLOCK=1024)
+    want = x.clamp(-fmax, fmax).to(dtype)
+    # the helper's output is exactly representable: casting it is exact and equals torch's cast
+    assert torch.equal(y.to(dtype).view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(y.to(dtype).float(), y), "helper returned a value off the FP8 grid"
+
+
+@pytest.mark.parametrize("fix", [True, False], ids=["rne", "backend-cast"])
+def test_bf16_cast_rounds_to_nearest_even(device, fix):
+    if not fix and device == "cpu":
+        pytest.skip("the interpreter's own bf16 cast truncates; that is what FIX works around")
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(1 << 16, generator=g) * 3,
+                   torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8),
+                                 3.4e38, float("inf"), 0.0, -0.0])]).to(device)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    _bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), FIX=fix, BLOCK=1024)
+    assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
