@@ -112,12 +112,12 @@ def make_inputs(
 
 def prologue_model_f64(inp: PrologueInputs, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 model of the prologue: (q [B, H, L+R], cache rows [B, L+R]) before any rounding."""
-    pos = inp.positions.long().clamp(0, inp.cos_cache.shape[0] - 1).cpu()
-    cos = inp.cos_cache.cpu().double()[pos]
-    sin = inp.sin_cache.cpu().double()[pos]
+    pos = inp.positions.long().clamp(0, inp.cos_cache.shape[0] - 1)
+    cos = inp.cos_cache.double()[pos]
+    sin = inp.sin_cache.double()[pos]
 
     def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        x = x.cpu().double()
+        x = x.double()
         half = x.shape[-1] // 2
         if is_neox:
             a, b = x[..., :half], x[..., half:]
@@ -125,8 +125,59 @@ def prologue_model_f64(inp: PrologueInputs, is_neox: bool) -> tuple[torch.Tensor
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
 
-    ql = torch.einsum("bhp,hpl->bhl", inp.q_nope.cpu().double(), inp.w_uk_t.cpu().double())
+    # computed where the inputs live (float64 on a GPU is fast enough), returned on the CPU
+    ql = torch.einsum("bhp,hpl->bhl", inp.q_nope.double(), inp.w_uk_t.double())
     q = torch.cat([ql, rope(inp.q_pe, cos[:, None], sin[:, None])], dim=-1)
-    rows = torch.cat([inp.kv_c.cpu().double(), rope(inp.k_pe.reshape(inp.k_pe.shape[0], -1),
-                                                    cos, sin)], dim=-1)
-    return q, rows
+    k_pe = inp.k_pe.reshape(inp.k_pe.shape[0], -1)
+    rows = torch.cat([inp.kv_c.double(), rope(k_pe, cos, sin)], dim=-1)
+    return q.cpu(), rows.cpu()
+
+
+def compare_with_reference(inp: PrologueInputs, is_neox: bool, q: torch.Tensor,
+                           cache_after: torch.Tensor, cache_before: torch.Tensor) -> list[str]:
+    """Problems (empty if none) of a prologue result against the reference and the f64 model.
+
+    ``q`` and ``cache_after`` are the fused kernel's results on ``inp``; ``cache_before`` is the
+    poisoned cache it started from. Checks: q within one output ulp of the unfused reference and
+    within the dtype's error of the float64 model; written rows equal to the reference's (FP8:
+    bytes within one code, as FMA may move the fp32 value by an ulp); all other bytes unchanged.
+    """
+    from fusemla.reference import mla_decode_prologue_ref
+
+    problems = []
+    dtype = inp.q_nope.dtype
+    ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    cache_ref = cache_before.clone()
+    args = list(inp.args())
+    args[8] = cache_ref
+    q_ref = mla_decode_prologue_ref(*args, is_neox=is_neox, kv_scale=inp.kv_scale)
+    q64, rows64 = prologue_model_f64(inp, is_neox)
+    qc = q.float().cpu()
+    if torch.isnan(qc).any():
+        problems.append(f"q: {int(torch.isnan(qc).sum())} elements not written (NaN)")
+    rel = float((q.double().cpu() - q64).norm() / q64.norm().clamp_min(1e-30))
+    if not rel < tol:
+        problems.append(f"q: relative error vs float64 model {rel:.2e} >= {tol:.0e}")
+    d = (qc - q_ref.float().cpu()).abs()
+    bound = q_ref.float().cpu().abs() * ulp + 1e-3
+    if not bool((d <= bound).all()):
+        problems.append(f"q: {int((d > bound).sum())} elements differ from the reference by "
+                        f"more than one ulp (max |diff| {float(d.max()):.3g})")
+    width = cache_after.shape[-1]
+    flat = cache_after.reshape(-1, width).view(torch.uint8).cpu()
+    flat_ref = cache_ref.reshape(-1, width).view(torch.uint8).cpu()
+    is_fp8 = cache_after.element_size() == 1
+    if is_fp8:
+        diff = (flat.int() - flat_ref.int()).abs()
+        bad = int((diff > 1).sum())
+    else:
+        got = flat.view(cache_after.dtype).float()
+        want = flat_ref.view(cache_after.dtype).float()
+        both_nan = torch.isnan(got) & torch.isnan(want)
+        close = (got - want).abs() <= want.abs() * ulp
+        bad = int((~(close | both_nan)).sum())
+    if bad:
+        problems.append(f"kv_cache: {bad} elements differ from the reference's cache")
+    del rows64
+    return problems

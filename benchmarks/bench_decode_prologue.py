@@ -1,0 +1,263 @@
+"""Benchmark the MLA decode prologue: fused kernel vs the unfused path vs torch.compile of it.
+
+Method (KNOWLEDGE.md §5): every implementation runs 8 layers inside one CUDA graph, each layer
+with its own weights, activations, query buffer and cache, so W_UK (16 MiB per layer at H=128)
+is not L2-resident; the graph is replayed many times (triton.testing.do_bench, median) and the
+time divided by 8. Correctness at full dims is checked for every shape before it is timed.
+
+Usage (on a GPU):
+    python benchmarks/bench_decode_prologue.py [--out results.json] [--heads 16 128]
+        [--batches 1 8 32 64 128 256 512] [--sweep]
+
+``--sweep`` also times a grid of fused-kernel tile configs per shape and reports the best one
+(used to choose the defaults in ``launch_config``).
+
+Output: a table (µs per layer, GB/s of the minimum bytes, % of the device-to-device copy
+bandwidth measured first) and JSON: ``{"header": {...}, "rows": [{"op", "impl", "w_dtype",
+"kv_dtype", "H", "B", "us", "gbps", "pct_copy_bw", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fusemla.ops import checks  # noqa: E402
+from fusemla.ops.decode_prologue import launch, launch_config, mla_decode_prologue  # noqa: E402
+from fusemla.reference import mla_decode_prologue_ref  # noqa: E402
+from fusemla.testing import DEEPSEEK_V3, compare_with_reference, make_inputs  # noqa: E402
+
+LAYERS = 8
+OP = "decode_prologue"
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4m3"}
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s), median of many."""
+    n = 1 << 30
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
+                                 return_mode="median")
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def min_bytes(B: int, H: int, P: int, R: int, L: int, act_bytes: int, w_bytes: float,
+              kv_bytes: int) -> int:
+    """Each input read once, each output written once."""
+    weights = H * P * L * w_bytes
+    reads = B * H * (P + R) * act_bytes + B * (L + R) * act_bytes + B * 16 + B * R * 4
+    writes = B * H * (L + R) * act_bytes + B * (L + R) * kv_bytes
+    return int(weights + reads + writes)
+
+
+def time_graph(calls, rep: int = 250) -> float:
+    """µs per call: capture all calls in one CUDA graph, replay, median, divide."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(g.replay, warmup=25, rep=rep, return_mode="median")
+    del g
+    return ms * 1e3 / len(calls)
+
+
+def layer_inputs(B, H, dims, kv_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(LAYERS):
+        inp = make_inputs(B, H=H, **dims, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                          block_size=64, kv_scale="tensor", device="cuda", generator=g)
+        inp.extra["out"] = torch.empty(B, H, dims["L"] + dims["R"], dtype=torch.bfloat16,
+                                       device="cuda")
+        layers.append(inp)
+    return layers
+
+
+def fused_call(inp, cfg=None):
+    if cfg is None:
+        return lambda: mla_decode_prologue(*inp.args(), kv_scale=inp.kv_scale,
+                                           out=inp.extra["out"])
+    args = checks.validate(*inp.args(), False, inp.kv_scale, inp.extra["out"])
+    return lambda: launch(args, inp.extra["out"], cfg)
+
+
+def sweep_configs(H, dims):
+    base = launch_config(H, dims["P"], dims["R"], dims["L"], "cuda")
+    for bl, bt, nw, ns, pps in itertools.product((64, 128, 256), (16, 32, 64), (4, 8), (2, 3),
+                                                 (1.0, 2.0, 4.0)):
+        if bl * bt > 128 * 64 and nw == 4:
+            continue
+        yield dict(base, BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns,
+                   programs_per_sm=pps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--sweep", action="store_true", help="also sweep fused tile configs")
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 64, 512])
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    ap.add_argument("--plot", default=None, help="PNG path for a plot (needs matplotlib)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode_prologue: needs a GPU (use `python -m fusemla demo` on a CPU)")
+        return 2
+
+    torch._dynamo.config.cache_size_limit = 256
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    dims = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
+    copy_bw = copy_bandwidth_gbps()
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        commit = os.environ.get("FUSEMLA_COMMIT", "unknown")
+    header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, python=platform.python_version(), commit=commit,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  copy_bw_gbps=round(copy_bw, 1), layers_per_graph=LAYERS,
+                  method="CUDA graph of 8 layers (distinct weights/activations/caches), "
+                         "do_bench median of replays / 8")
+    print(f"# {header['gpu']}  torch {header['torch']}  triton {header['triton']}  "
+          f"copy bandwidth {copy_bw:.0f} GB/s")
+    compiled_ref = torch.compile(mla_decode_prologue_ref, dynamic=True)
+    rows, failures, sweep_rows = [], [], []
+
+    for kv_name, H, B in itertools.product(a.kv, a.heads, a.batches):
+        kv_dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
+        layers = layer_inputs(B, H, dims, kv_dtype, seed=1000 * H + B)
+        # correctness at full dims, fresh poisoned cache
+        chk = layers[0]
+        before = chk.kv_cache.clone()
+        q = fused_call(chk)()
+        probs = compare_with_reference(chk, False, q, chk.kv_cache, before)
+        if probs:
+            failures.append((kv_name, H, B, probs))
+            print(f"!! H={H} B={B} kv={kv_name}: {probs}")
+        nbytes = min_bytes(B, H, dims["P"], dims["R"], dims["L"], 2, 2,
+                           1 if kv_name == "fp8" else 2)
+        impls = {"fused": [fused_call(x) for x in layers],
+                 "unfused": [(lambda x=x: mla_decode_prologue_ref(
+                     *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]}
+        if not a.no_compile:
+            impls["unfused_compiled"] = [(lambda x=x: compiled_ref(
+                *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]
+        if kv_name == "bf16":
+            impls["cublas_bmm_only"] = [(lambda x=x: torch.bmm(
+                x.q_nope.transpose(0, 1), x.w_uk_t,
+                out=x.extra.setdefault("bmm_out", torch.empty(H, B, dims["L"], dtype=torch.bfloat16,
+                                                              device="cuda")))) for x in layers]
+        for impl, calls in impls.items():
+            try:
+                us = time_graph(calls)
+            except Exception as e:  # report, keep the other rows
+                print(f"!! {impl} H={H} B={B} kv={kv_name} failed: {type(e).__name__}: {e}")
+                continue
+            gbps = nbytes / (us * 1e-6) / 1e9
+            rows.append(dict(op=OP, impl=impl, w_dtype="bf16", kv_dtype=DTYPE_NAMES[kv_dtype],
+                             H=H, B=B, us=round(us, 3), gbps=round(gbps, 1),
+                             pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nbytes,
+                             correct=not probs if impl == "fused" else None))
+        if a.sweep and kv_name == "bf16" and B in a.sweep_batches:
+            best = None
+            for cfg in sweep_configs(H, dims):
+                try:
+                    us = time_graph([fused_call(x, cfg) for x in layers], rep=40)
+                except Exception as e:  # a tile config that does not compile (shared memory)
+                    print(f"   skip {cfg}: {type(e).__name__}")
+                    continue
+                keys = ("BLOCK_L", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm")
+                rec = dict(H=H, B=B, us=round(us, 3), **{k: cfg[k] for k in keys})
+                sweep_rows.append(rec)
+                if best is None or us < best["us"]:
+                    best = rec
+            print(f"   sweep H={H} B={B}: best {best}")
+        del layers, impls
+        torch.cuda.empty_cache()
+
+    # table
+    print(f"\n{'kv':>8} {'H':>4} {'B':>4} | " + " | ".join(
+        f"{n:>24}" for n in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only")))
+    print(f"{'':>8} {'':>4} {'':>4} | " + " | ".join(f"{'us  GB/s  %bw':>24}" for _ in range(4)))
+    for kv_name, H, B in itertools.product(a.kv, a.heads, a.batches):
+        kvd = "bf16" if kv_name == "bf16" else "fp8e4m3"
+        cells = []
+        for impl in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only"):
+            r = [x for x in rows if x["impl"] == impl and x["H"] == H and x["B"] == B
+                 and x["kv_dtype"] == kvd]
+            cells.append(f"{r[0]['us']:8.2f} {r[0]['gbps']:7.0f} {r[0]['pct_copy_bw']:5.1f}%"
+                         if r else f"{'-':>24}")
+        print(f"{kvd:>8} {H:>4} {B:>4} | " + " | ".join(cells))
+    result = dict(header=header, rows=rows)
+    if sweep_rows:
+        result["sweep"] = sweep_rows
+    if failures:
+        result["failures"] = [dict(kv=k, H=h, B=b, problems=p) for k, h, b, p in failures]
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {a.out}")
+    if a.plot:
+        plot(rows, a.plot, header)
+    print("correctness:", "all shapes agree with the reference" if not failures
+          else f"{len(failures)} shapes FAILED")
+    return 1 if failures else 0
+
+
+def plot(rows, path, header):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: skipping the plot")
+        return
+    heads = sorted({r["H"] for r in rows})
+    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4), squeeze=False)
+    for ax, H in zip(axes[0], heads):
+        for impl in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only"):
+            rs = sorted((r for r in rows if r["H"] == H and r["impl"] == impl
+                         and r["kv_dtype"] == "bf16"), key=lambda r: r["B"])
+            if rs:
+                ax.plot([r["B"] for r in rs], [r["us"] for r in rs], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode tokens B")
+        ax.set_ylabel("µs per layer")
+        ax.set_title(f"MLA decode prologue, H={H}, bf16 W + cache")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(header["gpu"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
