@@ -23,9 +23,16 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def quantize_fp8(x: torch.Tensor, scale: Union[float, torch.Tensor], dtype: torch.dtype):
-    """``saturate(x / scale)`` cast to ``dtype``, rounded to nearest even (fp32 math)."""
+    """``saturate(x / scale)`` cast to ``dtype``, rounded to nearest even.
+
+    The division is an IEEE fp32 division by the fp32 scale (a float scale is rounded to fp32
+    first, as the kernel receives it): tensor-by-tensor, because torch's CUDA division by a
+    Python scalar multiplies by its reciprocal, which can differ in the last bit.
+    """
     m = fp8_max(dtype)
-    return (x.float() / scale).clamp(-m, m).to(dtype)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / scale.float()).clamp(-m, m).to(dtype)
 
 
 def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -40,12 +47,15 @@ def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -
     n = flat.shape[0]
     slots = slots.long()
     valid = (slots >= 0) & (slots < n)
-    first = torch.argmax(valid.to(torch.int32))  # first valid token, or 0 when none is valid
-    any_valid = valid[first]
-    target = torch.where(any_valid, slots[first].clamp(0, n - 1), torch.zeros_like(slots[first]))
-    fill = torch.where(any_valid, rows[first], flat[target])
+    # first valid token, or 0 when none is valid (index_select, not t[0-d tensor], which syncs)
+    first = torch.argmax(valid.to(torch.int32)).view(1)
+    any_valid = valid.index_select(0, first)
+    target = torch.where(any_valid, slots.index_select(0, first).clamp(0, n - 1), 0)
+    fill = torch.where(any_valid[:, None], rows.index_select(0, first),
+                       flat.index_select(0, target))
+    target = target[0]
     idx = torch.where(valid, slots, target)
-    vals = torch.where(valid[:, None], rows, fill[None, :])
+    vals = torch.where(valid[:, None], rows, fill)
     flat.index_copy_(0, idx, vals)
 
 

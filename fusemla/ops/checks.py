@@ -8,6 +8,7 @@ and so runs only under ``FUSEMLA_DEBUG_CHECKS=1``.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -172,9 +173,13 @@ def validate(
             raise FuseMLATypeError(
                 f"kv_scale: expected a float or a 1-element fp32 tensor, got {describe(kv_scale)}"
             )
-        if not (math.isfinite(kv_scale) and kv_scale > 0):
-            raise FuseMLAValueError(f"kv_scale: expected a finite value > 0, got {kv_scale!r}")
-        kv_scale = float(kv_scale)
+        # the kernel takes the scale as fp32, as engines store it: round once, here
+        scale32 = struct.unpack("f", struct.pack("f", kv_scale))[0] if math.isfinite(kv_scale) else kv_scale
+        if not (math.isfinite(scale32) and scale32 > 0):
+            raise FuseMLAValueError(
+                f"kv_scale: expected a finite value > 0 (as fp32), got {kv_scale!r}"
+            )
+        kv_scale = scale32
 
     named = [("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), ("w_uk_t", w_uk_t),
              ("positions", positions), ("cos_cache", cos_cache), ("sin_cache", sin_cache),

@@ -6,11 +6,12 @@ One launch, one flat grid with two kinds of program:
   ``[P, BLOCK_L]`` slice of ``W_UK_T[h]`` once, then walks its chunk of tokens ``BLOCK_T`` at a
   time: ``q[t, h, l-tile] = q_nope[t, h, :] @ W`` on the tensor cores, stored straight into the
   query buffer (zero-copy concat). With one chunk every weight byte is read once per launch;
-  large batches split the tokens into a few chunks so the grid fills the GPU.
-* Token programs, one per token: rotate ``q_pe`` of every head into ``q[t, :, L:]``, rotate
-  ``k_pe`` and write ``[kv_c, k_pe_rot]`` (quantized for an FP8 cache) into the token's slot.
-  Their token range is independent of the BMM's, which is what decode-first mixed batches need
-  (prefill tokens get RoPE and the cache write but no BMM).
+  large batches split the tokens into a few chunks so the grid fills the GPU. The program of
+  each head's first L-tile also rotates that head's ``q_pe`` tile into ``q[t, h, L:]``, so the
+  RoPE work is spread over heads and tokens like the BMM's.
+* Cache programs, one per token: rotate ``k_pe`` and write ``[kv_c, k_pe_rot]`` (quantized for
+  an FP8 cache) into the token's slot. Their token range is independent of the BMM's, which is
+  what decode-first mixed batches need (prefill tokens get RoPE and the cache write, no BMM).
 
 Out-of-range values the host cannot see without a device sync never cause an out-of-bounds
 access: positions are clamped into ``[0, max_position)``; slots that are negative or
@@ -37,15 +38,44 @@ from fusemla.ops.triton_helpers import cast_rne, rope_indices, round_to_fp8_grid
 
 
 @triton.jit
+def _rope_q_tile(
+    o_t64, m_t, i_h, max_pos,
+    p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
+    p_q, s_q_t, s_q_h,
+    R: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+):
+    """q[t, h, L:L+R] = rope(q_pe[t, h]) for a tile of tokens of one head."""
+    o_r = tl.arange(0, BLOCK_R)
+    o_partner, o_col, sign = rope_indices(o_r, R, IS_NEOX)
+    m = m_t[:, None] & (o_r < R)[None, :]
+    pos = tl.load(p_pos + o_t64 * s_pos, mask=m_t, other=0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    # [BLOCK_T, BLOCK_R]
+    b_cos = tl.load(p_cos + pos[:, None] * s_cos + o_col[None, :], mask=m, other=0.0)
+    b_sin = tl.load(p_sin + pos[:, None] * s_sin + o_col[None, :], mask=m, other=0.0)
+    p_x = p_qp + o_t64[:, None] * s_qp_t + i_h * s_qp_h
+    b_x = tl.load(p_x + o_r[None, :], mask=m, other=0.0).to(tl.float32)
+    b_y = tl.load(p_x + o_partner[None, :], mask=m, other=0.0).to(tl.float32)
+    b_out = b_x * b_cos.to(tl.float32) + b_y * (b_sin.to(tl.float32) * sign[None, :])
+    p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + L + o_r[None, :]
+    tl.store(p_o, cast_rne(b_out, p_q.dtype.element_ty, FIX_BF16), mask=m)
+
+
+@triton.jit
 def _bmm_program(
-    pid, B, tokens_per_chunk, n_chunks,
+    pid, B, tokens_per_chunk, n_chunks, max_pos,
     p_qn, s_qn_t, s_qn_h,
+    p_qp, s_qp_t, s_qp_h,
+    p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
     p_w, s_w_h, s_w_p,
     p_q, s_q_t, s_q_h,
-    P: tl.constexpr, L: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
+    P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    IS_NEOX: tl.constexpr, DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
+    """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's tokens; the program
+    of the first L-tile also writes the head's rotated q_pe."""
     NL: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
     i_c = pid % n_chunks
     i_hl = pid // n_chunks
@@ -76,7 +106,12 @@ def _bmm_program(
         # [BLOCK_T, BLOCK_L]
         b_o = tl.dot(b_a, b_w)
         p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
-        tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16), mask=m_t[:, None] & m_l[None, :])
+        tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16),
+                 mask=m_t[:, None] & m_l[None, :])
+        if i_l == 0:
+            _rope_q_tile(o_t64, m_t, i_h, max_pos, p_qp, s_qp_t, s_qp_h, p_pos, s_pos,
+                         p_cos, s_cos, p_sin, s_sin, p_q, s_q_t, s_q_h,
+                         R, L, BLOCK_R, IS_NEOX, FIX_BF16)
 
 
 @triton.jit
@@ -88,65 +123,56 @@ def _to_cache(x, scale, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP
 
 
 @triton.jit
-def _token_program(
+def _cache_program(
     t, max_pos, num_slots, block_size,
-    p_qp, s_qp_t, s_qp_h,
     p_kvc, s_kvc_t,
     p_kpe, s_kpe_t,
     p_pos, s_pos,
     p_cos, s_cos, p_sin, s_sin,
     p_slot, s_slot,
     p_scale, scale_value,
-    p_q, s_q_t, s_q_h,
     p_cache, s_cache_b, s_cache_s,
-    H: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
-    IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
-    SCALE_FROM_PTR: tl.constexpr, FIX_BF16: tl.constexpr,
+    R: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
+    IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
+    """kv_cache[slot] = [kv_c[t], rope(k_pe[t])] for one token; nothing for a skipped slot.
+
+    Branch-free: every load is issued up front and the stores are masked, so the token's
+    dependent loads (position -> cos/sin) are the only round trips in series.
+    """
     t64 = t.to(tl.int64)
     pos = tl.load(p_pos + t64 * s_pos).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    slot = tl.load(p_slot + t64 * s_slot).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    n_store = tl.where(valid, L + R, 0)  # columns to store: all, or none for a skipped slot
+    if SCALE_FROM_PTR:
+        scale = tl.load(p_scale).to(tl.float32)
+    else:
+        scale = scale_value
 
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
     o_partner, o_col, sign = rope_indices(o_r, R, IS_NEOX)
+    p_k = p_kpe + t64 * s_kpe_t
+    b_k = tl.load(p_k + o_r, mask=m_r, other=0.0).to(tl.float32)
+    b_kp = tl.load(p_k + o_partner, mask=m_r, other=0.0).to(tl.float32)
     b_cos = tl.load(p_cos + pos * s_cos + o_col, mask=m_r, other=0.0).to(tl.float32)
-    b_sin = tl.load(p_sin + pos * s_sin + o_col, mask=m_r, other=0.0).to(tl.float32) * sign
+    b_sin = tl.load(p_sin + pos * s_sin + o_col, mask=m_r, other=0.0).to(tl.float32)
 
-    # q_pe of every head -> q[t, :, L:L+R]
-    for h0 in range(0, H, BLOCK_H):
-        o_h = h0 + tl.arange(0, BLOCK_H)
-        m = (o_h < H)[:, None] & m_r[None, :]
-        p_x = p_qp + t64 * s_qp_t + o_h[:, None] * s_qp_h
-        # [BLOCK_H, BLOCK_R]
-        b_x = tl.load(p_x + o_r[None, :], mask=m, other=0.0).to(tl.float32)
-        b_y = tl.load(p_x + o_partner[None, :], mask=m, other=0.0).to(tl.float32)
-        b_out = b_x * b_cos[None, :] + b_y * b_sin[None, :]
-        p_o = p_q + t64 * s_q_t + o_h[:, None] * s_q_h + L + o_r[None, :]
-        tl.store(p_o, cast_rne(b_out, p_q.dtype.element_ty, FIX_BF16), mask=m)
-
-    # [kv_c, rope(k_pe)] -> the token's cache row
-    slot = tl.load(p_slot + t64 * s_slot).to(tl.int64)
-    if (slot >= 0) & (slot < num_slots):
-        if SCALE_FROM_PTR:
-            scale = tl.load(p_scale).to(tl.float32)
-        else:
-            scale = scale_value
-        p_row = p_cache + (slot // block_size) * s_cache_b + (slot % block_size) * s_cache_s
-        cache_ty = p_cache.dtype.element_ty
-        for l0 in range(0, L, BLOCK_LC):
-            o_c = l0 + tl.arange(0, BLOCK_LC)
-            m_c = o_c < L
-            b_c = tl.load(p_kvc + t64 * s_kvc_t + o_c, mask=m_c, other=0.0).to(tl.float32)
-            b_c = _to_cache(b_c, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
-            tl.store(p_row + o_c, cast_rne(b_c, cache_ty, FIX_BF16), mask=m_c)
-        p_k = p_kpe + t64 * s_kpe_t
-        b_k = tl.load(p_k + o_r, mask=m_r, other=0.0).to(tl.float32)
-        b_kp = tl.load(p_k + o_partner, mask=m_r, other=0.0).to(tl.float32)
-        b_k = b_k * b_cos + b_kp * b_sin
-        b_k = _to_cache(b_k, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
-        tl.store(p_row + L + o_r, cast_rne(b_k, cache_ty, FIX_BF16), mask=m_r)
+    cache_ty = p_cache.dtype.element_ty
+    p_row = p_cache + (slot // block_size) * s_cache_b + (slot % block_size) * s_cache_s
+    for l0 in range(0, L, BLOCK_LC):
+        o_c = l0 + tl.arange(0, BLOCK_LC)
+        m_c = o_c < L
+        b_c = tl.load(p_kvc + t64 * s_kvc_t + o_c, mask=m_c, other=0.0).to(tl.float32)
+        b_c = _to_cache(b_c, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
+        tl.store(p_row + o_c, cast_rne(b_c, cache_ty, FIX_BF16), mask=o_c < tl.minimum(n_store, L))
+    b_k = b_k * b_cos + b_kp * (b_sin * sign)
+    b_k = _to_cache(b_k, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
+    tl.store(p_row + L + o_r, cast_rne(b_k, cache_ty, FIX_BF16), mask=(L + o_r) < n_store)
 
 
 @triton.jit(do_not_specialize=["B", "n_bmm", "tokens_per_chunk", "n_chunks", "num_slots",
@@ -166,26 +192,28 @@ def mla_decode_prologue_kernel(
     B, n_bmm, tokens_per_chunk, n_chunks, max_pos, num_slots, block_size,
     H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
     IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, DOT_FP32: tl.constexpr,
     FIX_BF16: tl.constexpr,
 ):
+    """Programs [0, n_bmm): BMM + q RoPE tiles; programs [n_bmm, n_bmm + B): cache rows."""
     pid = tl.program_id(0)
     if pid < n_bmm:
         _bmm_program(
-            pid, B, tokens_per_chunk, n_chunks,
-            p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_q, s_q_t, s_q_h,
-            P, L, BLOCK_P, BLOCK_L, BLOCK_T, DOT_FP32, FIX_BF16,
+            pid, B, tokens_per_chunk, n_chunks, max_pos,
+            p_qn, s_qn_t, s_qn_h, p_qp, s_qp_t, s_qp_h, p_pos, s_pos,
+            p_cos, s_cos, p_sin, s_sin, p_w, s_w_h, s_w_p, p_q, s_q_t, s_q_h,
+            P, R, L, BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_R, IS_NEOX, DOT_FP32, FIX_BF16,
         )
     else:
-        _token_program(
+        _cache_program(
             pid - n_bmm, max_pos, num_slots, block_size,
-            p_qp, s_qp_t, s_qp_h, p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_pos, s_pos,
+            p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_pos, s_pos,
             p_cos, s_cos, p_sin, s_sin, p_slot, s_slot, p_scale, scale_value,
-            p_q, s_q_t, s_q_h, p_cache, s_cache_b, s_cache_s,
-            H, R, L, BLOCK_H, BLOCK_R, BLOCK_LC,
-            IS_NEOX, KV_FP8, FP8_MAX, FP8_MIN_EXP, SCALE_FROM_PTR, FIX_BF16,
+            p_cache, s_cache_b, s_cache_s,
+            R, L, BLOCK_R, BLOCK_LC, IS_NEOX, KV_FP8, FP8_MAX, FP8_MIN_EXP,
+            SCALE_FROM_PTR, FIX_BF16,
         )
 
 
@@ -217,12 +245,12 @@ def launch_config(H: int, P: int, R: int, L: int, backend: str) -> dict:
     if backend == "interpreter":
         # few, fat programs: the interpreter's cost is per program and per op
         return dict(BLOCK_P=block_p, BLOCK_L=triton.next_power_of_2(L), BLOCK_T=16,
-                    BLOCK_H=triton.next_power_of_2(H), BLOCK_R=block_r,
+                    BLOCK_R=block_r,
                     BLOCK_LC=triton.next_power_of_2(L), num_warps=1, num_stages=1,
                     programs_per_sm=0.0)
     block_l = 64 if H <= 32 else 128
     return dict(BLOCK_P=block_p, BLOCK_L=min(block_l, triton.next_power_of_2(L)), BLOCK_T=32,
-                BLOCK_H=min(16, triton.next_power_of_2(H)), BLOCK_R=block_r,
+                BLOCK_R=block_r,
                 BLOCK_LC=min(512, triton.next_power_of_2(L)), num_warps=4, num_stages=2,
                 programs_per_sm=2.0)
 
@@ -283,7 +311,7 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
         kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1],
         H=H, P=P, R=R, L=L,
         BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"],
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"],
         IS_NEOX=args.is_neox, KV_FP8=kv_fp8, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
         SCALE_FROM_PTR=scale_from_ptr, DOT_FP32=interp, FIX_BF16=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -359,7 +387,8 @@ def mla_decode_prologue(
     - ``positions [B]`` (int32/int64); ``cos_cache``, ``sin_cache [max_position, R/2]``
       (fp32/bf16/fp16; :func:`fusemla.rope.split_cos_sin_cache` splits an engine's cache).
     - ``kv_cache [num_blocks, block_size, L + R]``: bf16/fp16, or float8_e4m3fn/float8_e4m3fnuz
-      with ``kv_scale`` (a positive float, or a 1-element fp32 tensor read on the device).
+      with ``kv_scale`` (a positive float, rounded to fp32, or a 1-element fp32 tensor read on
+      the device, so a CUDA graph replays with its current value).
       Row ``slot`` is ``kv_cache[slot // block_size, slot % block_size]``; it receives
       ``[kv_c, rope(k_pe)]``, for FP8 as ``saturate(x / kv_scale)`` rounded to nearest even.
       ``kv_scale`` is ignored for a bf16/fp16 cache.
@@ -378,8 +407,9 @@ def mla_decode_prologue(
                            kv_cache, slot_mapping, is_neox, kv_scale, out)
     q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R))
     if torch.compiler.is_compiling():
-        scale_t = kv_scale if isinstance(kv_scale, torch.Tensor) else None
-        scale_v = 1.0 if isinstance(kv_scale, torch.Tensor) or kv_scale is None else kv_scale
+        scale = args.kv_scale
+        scale_t = scale if isinstance(scale, torch.Tensor) else None
+        scale_v = 1.0 if scale_t is not None or scale is None else scale
         _prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, args.w_uk_t, args.positions,
                      args.cos_cache, args.sin_cache, args.kv_cache, args.slot_mapping,
                      bool(is_neox), scale_t, float(scale_v), q)
