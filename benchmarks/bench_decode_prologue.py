@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusemla.ops import checks  # noqa: E402
 from fusemla.ops.decode_prologue import launch, launch_config, mla_decode_prologue  # noqa: E402
 from fusemla.reference import mla_decode_prologue_ref  # noqa: E402
-from fusemla.testing import DEEPSEEK_V3, compare_with_reference, make_inputs  # noqa: E402
+from fusemla.testing import DEEPSEEK_V3, check_against_reference, make_inputs  # noqa: E402
 
 LAYERS = 8
 OP = "decode_prologue"
@@ -156,7 +156,7 @@ def main() -> int:
         chk = layers[0]
         before = chk.kv_cache.clone()
         q = fused_call(chk)()
-        probs = compare_with_reference(chk, False, q, chk.kv_cache, before)
+        probs = check_against_reference(chk, False, q, before).problems
         if probs:
             failures.append((kv_name, H, B, probs))
             print(f"!! H={H} B={B} kv={kv_name}: {probs}")

@@ -83,198 +83,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# comparison (kept free of Triton so the tests can call it on any tensors)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Comparison:
-    """Result of :func:`compare`: numbers worth printing, and what disagreed (empty = agreed)."""
-
-    metrics: dict = field(default_factory=dict)
-    problems: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-# relative L2 error vs the float64 model: one rounding of the output + bf16/fp16 operands
-REL_TOL = {"bfloat16": 8e-3, "float16": 1e-3}
-# an FP8 e4m3 value is within 2^-4 (half an ulp at 3 mantissa bits) of what it rounds
-FP8_REL_TOL = 2.0 ** -4
-
-
-def _rel_err(x, ref) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _scale_value(scale) -> float:
-    import torch
-
-    if isinstance(scale, torch.Tensor):
-        return float(scale.float().cpu().reshape(-1)[0])
-    return 1.0 if scale is None else float(scale)
-
-
-def _rope_magnitude(x, cos, sin, is_neox: bool):
-    """Per output element, an upper bound of sum |term| of RoPE's two products (fp32)."""
-    import torch
-
-    x = x.abs().float()
-    half = x.shape[-1] // 2
-    w = cos.abs().float() + sin.abs().float()
-    if is_neox:
-        m = (x[..., :half] + x[..., half:]) * w
-        return torch.cat([m, m], dim=-1)
-    m = (x[..., 0::2] + x[..., 1::2]) * w
-    return torch.stack([m, m], dim=-1).flatten(-2)
-
-
-def _fp8_ordinal(codes):
-    """FP8 bytes -> integers in value order (+0 and -0 both 0; adjacent values differ by 1).
-
-    Valid for both e4m3 formats: sign-magnitude with the sign in bit 7.
-    """
-    c = _bits(codes).int()
-    mag = c & 0x7F
-    return mag.where(c < 0x80, -mag)
-
-
-def _bits(x):
-    """The raw bits of a tensor, as integers of the same width."""
-    import torch
-
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
-
-
-def _within_ulp(got, want, dtype, slack):
-    """Elementwise: |got - want| <= 1 ulp of the larger, plus ``slack`` (False for NaN)."""
-    import torch
-
-    got, want = got.float(), want.float()
-    fi = torch.finfo(dtype)
-    bound = fi.eps * torch.maximum(got.abs(), want.abs()) + fi.tiny + slack
-    return (got - want).abs() <= bound
-
-
-def compare(inp, q, q_ref, cache, cache_ref, cache_before, *, is_neox: bool = False
-            ) -> Comparison:
-    """Check the fused result (``q``, ``cache``) against the reference (``q_ref``, ``cache_ref``).
-
-    ``inp`` is the :class:`fusemla.testing.PrologueInputs` both ran on (before: ``cache_before``).
-    Agreement means:
-
-    - q: no NaN, and every value within 1 ulp of the reference's (plus the fp32 accumulation
-      error bound ``2 * K * 2^-24 * sum|products|``, which only matters under cancellation);
-      relative L2 error vs the float64 model below ``REL_TOL``.
-    - cache rows of the valid slots: bf16/fp16 within 1 ulp of the reference's (the latent part
-      bit-equal); FP8 codes equal or one code apart; dequantized rows close to the float64 model.
-    - every other cache row byte-identical to ``cache_before``.
-    """
-    import torch
-
-    from fusemla.testing import prologue_model_f64
-
-    res = Comparison()
-    m, problems = res.metrics, res.problems
-    dtype = inp.q_nope.dtype
-    B, H, P = inp.q_nope.shape
-    L = inp.kv_c.shape[1]
-    R = inp.q_pe.shape[-1]
-    if tuple(q.shape) != (B, H, L + R) or q.dtype != dtype:
-        problems.append(f"q has shape {tuple(q.shape)} {q.dtype}, expected {(B, H, L + R)} {dtype}")
-        return res
-    q64, rows64 = prologue_model_f64(inp, is_neox)
-
-    # ---- q ----------------------------------------------------------------------------------
-    qc, qr = q.detach().float().cpu(), q_ref.detach().float().cpu()
-    n_nan = int(torch.isnan(qc).sum())
-    if n_nan:
-        problems.append(f"q: {n_nan} of {qc.numel()} values are NaN (not written?)")
-    diff = (qc - qr).abs().nan_to_num(nan=float("inf"))
-    m["q_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
-    # fp32 accumulation error bound, from the magnitudes of the summed products
-    acc = 2.0 ** -24
-    s_nope = torch.bmm(inp.q_nope.abs().float().transpose(0, 1),
-                       inp.w_uk_t.abs().float()).transpose(0, 1).cpu()
-    pos = inp.positions.long().clamp(0, inp.cos_cache.shape[0] - 1)
-    cos, sin = inp.cos_cache[pos].float(), inp.sin_cache[pos].float()
-    s_rope = _rope_magnitude(inp.q_pe, cos[:, None], sin[:, None], is_neox).cpu()
-    slack = torch.cat([2 * P * acc * s_nope, 4 * acc * s_rope], dim=-1)
-    bad = ~_within_ulp(qc, qr, dtype, slack)
-    n_bad = int(bad.sum()) - n_nan
-    if n_bad > 0:
-        problems.append(f"q: {n_bad} of {qc.numel()} values differ from the reference by more "
-                        f"than 1 ulp (max |fused - ref| = {m['q_max_abs_diff']:.3g})")
-    tol = REL_TOL.get(str(dtype).replace("torch.", ""), 8e-3)
-    for part, sl in (("nope", slice(0, L)), ("rope", slice(L, L + R))):
-        m[f"q_rel_{part}"] = _rel_err(qc[..., sl], q64[..., sl])
-        m[f"q_rel_{part}_ref"] = _rel_err(qr[..., sl], q64[..., sl])
-        if not m[f"q_rel_{part}"] < tol:
-            problems.append(f"q[..., {part}]: relative L2 error vs float64 "
-                            f"{m[f'q_rel_{part}']:.3g} >= {tol:g}")
-
-    # ---- cache ------------------------------------------------------------------------------
-    width = cache.shape[-1]
-    flat = cache.reshape(-1, width).cpu()
-    flat_ref = cache_ref.reshape(-1, width).cpu()
-    flat_before = cache_before.reshape(-1, width).cpu()
-    n_rows = flat.shape[0]
-    slots_all = inp.slot_mapping.long().cpu()
-    valid = (slots_all >= 0) & (slots_all < n_rows)
-    slots = slots_all[valid]
-    written = torch.zeros(n_rows, dtype=torch.bool)
-    written[slots] = True
-    m["rows_valid"] = int(slots.numel())
-    m["rows_padding"] = int((~valid).sum())
-    stray = (flat[~written].view(torch.uint8) != flat_before[~written].view(torch.uint8))
-    n_stray = int(stray.any(dim=-1).sum())
-    if n_stray:
-        problems.append(f"cache: {n_stray} rows outside the valid slots were modified")
-    fp8 = cache.element_size() == 1
-    m["cache_kind"] = "fp8" if fp8 else "float"
-    if slots.numel() == 0:
-        m["rows_agree"] = 0
-        return res
-    got, want = flat[slots], flat_ref[slots]
-    ref_rows = rows64[valid]
-    if fp8:
-        scale = _scale_value(inp.kv_scale)
-        if torch.isnan(got.float()).any():
-            problems.append("cache: NaN codes in written rows (not written?)")
-        step = (_fp8_ordinal(got) - _fp8_ordinal(want)).abs()
-        row_ok = (step <= 1).all(dim=-1) & ~torch.isnan(got.float()).any(dim=-1)
-        m["fp8_codes_equal"] = int((step == 0).sum())
-        m["fp8_codes_off_by_one"] = int((step == 1).sum())
-        m["fp8_codes_total"] = int(step.numel())
-        fmax = torch.finfo(cache.dtype).max * scale
-        m["cache_rel"] = _rel_err(got.float() * scale, ref_rows.clamp(-fmax, fmax))
-        cache_tol = FP8_REL_TOL
-    else:
-        k_pe = inp.k_pe.reshape(B, -1)
-        s_k = _rope_magnitude(k_pe, cos, sin, is_neox).cpu()[valid]
-        slack = torch.cat([torch.zeros(s_k.shape[0], L), 4 * acc * s_k], dim=-1)
-        ok = _within_ulp(got, want, cache.dtype, slack)
-        ok[:, :L] = _bits(got[:, :L]) == _bits(want[:, :L])  # the latent part is a plain copy
-        row_ok = ok.all(dim=-1)
-        m["cache_rel"] = _rel_err(got, ref_rows)
-        cache_tol = REL_TOL.get(str(cache.dtype).replace("torch.", ""), 8e-3)
-    m["rows_agree"] = int(row_ok.sum())
-    n_bad_rows = int((~row_ok).sum())
-    if n_bad_rows:
-        what = "more than 1 FP8 code" if fp8 else "more than 1 ulp (or latent part not exact)"
-        first = int(slots[~row_ok][0])
-        problems.append(f"cache: {n_bad_rows} of {slots.numel()} written rows differ from the "
-                        f"reference by {what} (first: slot {first})")
-    if not m["cache_rel"] < cache_tol:
-        problems.append(f"cache: relative L2 error of the written rows vs float64 "
-                        f"{m['cache_rel']:.3g} >= {cache_tol:g}")
-    return res
-
-
-# --------------------------------------------------------------------------------------------
 # demo
 # --------------------------------------------------------------------------------------------
 
@@ -360,6 +168,7 @@ def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool) 
 
     from fusemla.ops.decode_prologue import mla_decode_prologue
     from fusemla.reference import mla_decode_prologue_ref
+    from fusemla.testing import compare
     from fusemla.testing import make_inputs
 
     kv_name = "bf16" if kv_dtype is None else "fp8e4m3"
@@ -469,6 +278,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 try:
                     r = run_case(B, dims, kv, device, seed, timed=device == "cuda")
                 except Exception as exc:  # noqa: BLE001 - a crash is a disagreement
+                    from fusemla.testing import Comparison
+
                     traceback.print_exc()
                     kv_name = "bf16" if kv is None else "fp8e4m3"
                     r = CaseResult(_label(dims["H"], B, kv_name),

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from fusemla.cli import compare, main
+from fusemla.cli import main
+from fusemla.testing import compare
 from fusemla.reference import mla_decode_prologue_ref
 from fusemla.testing import make_inputs
 

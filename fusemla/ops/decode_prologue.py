@@ -6,9 +6,10 @@ One launch, one flat grid with two kinds of program:
   ``[P, BLOCK_L]`` slice of ``W_UK_T[h]`` once, then walks its chunk of tokens ``BLOCK_T`` at a
   time: ``q[t, h, l-tile] = q_nope[t, h, :] @ W`` on the tensor cores, stored straight into the
   query buffer (zero-copy concat). With one chunk every weight byte is read once per launch;
-  large batches split the tokens into a few chunks so the grid fills the GPU. The program of
-  each head's first L-tile also rotates that head's ``q_pe`` tile into ``q[t, h, L:]``, so the
-  RoPE work is spread over heads and tokens like the BMM's.
+  large batches split the tokens into a few chunks so the grid fills the GPU. Tiny batches
+  (B <= 8) take an FMA path instead of padding the tensor-core tile to 16 tokens.
+* RoPE programs, ``cdiv(B * H, ROPE_ROWS)`` of them: each rotates a ``[ROPE_ROWS, R]`` tile of
+  (token, head) rows of ``q_pe`` into ``q[t, h, L:]`` (no loop, so no serial latency chain).
 * Cache programs, one per token: rotate ``k_pe`` and write ``[kv_c, k_pe_rot]`` (quantized for
   an FP8 cache) into the token's slot. Their token range is independent of the BMM's, which is
   what decode-first mixed batches need (prefill tokens get RoPE and the cache write, no BMM).
@@ -38,44 +39,49 @@ from fusemla.ops.triton_helpers import cast_rne, rope_indices, round_to_fp8_grid
 
 
 @triton.jit
-def _rope_q_tile(
-    o_t64, m_t, i_h, max_pos,
+def _rope_q_program(
+    j, B, max_pos,
     p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
     p_q, s_q_t, s_q_h,
-    R: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr, IS_NEOX: tl.constexpr,
-    FIX_BF16: tl.constexpr,
+    H: tl.constexpr, R: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROPE_ROWS: tl.constexpr, IS_NEOX: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
-    """q[t, h, L:L+R] = rope(q_pe[t, h]) for a tile of tokens of one head."""
+    """q[t, h, L:L+R] = rope(q_pe[t, h]) for ROPE_ROWS consecutive (token, head) rows."""
+    o_row = j.to(tl.int64) * ROPE_ROWS + tl.arange(0, ROPE_ROWS)
+    m_row = o_row < B * H
+    o_t = o_row // H
+    o_h = o_row % H
     o_r = tl.arange(0, BLOCK_R)
     o_partner, o_col, sign = rope_indices(o_r, R, IS_NEOX)
-    m = m_t[:, None] & (o_r < R)[None, :]
-    pos = tl.load(p_pos + o_t64 * s_pos, mask=m_t, other=0).to(tl.int64)
+    m = m_row[:, None] & (o_r < R)[None, :]
+    pos = tl.load(p_pos + o_t * s_pos, mask=m_row, other=0).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-    # [BLOCK_T, BLOCK_R]
-    b_cos = tl.load(p_cos + pos[:, None] * s_cos + o_col[None, :], mask=m, other=0.0)
-    b_sin = tl.load(p_sin + pos[:, None] * s_sin + o_col[None, :], mask=m, other=0.0)
-    p_x = p_qp + o_t64[:, None] * s_qp_t + i_h * s_qp_h
+    # [ROPE_ROWS, BLOCK_R]
+    p_x = p_qp + o_t[:, None] * s_qp_t + o_h[:, None] * s_qp_h
     b_x = tl.load(p_x + o_r[None, :], mask=m, other=0.0).to(tl.float32)
     b_y = tl.load(p_x + o_partner[None, :], mask=m, other=0.0).to(tl.float32)
+    b_cos = tl.load(p_cos + pos[:, None] * s_cos + o_col[None, :], mask=m, other=0.0)
+    b_sin = tl.load(p_sin + pos[:, None] * s_sin + o_col[None, :], mask=m, other=0.0)
     b_out = b_x * b_cos.to(tl.float32) + b_y * (b_sin.to(tl.float32) * sign[None, :])
-    p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + L + o_r[None, :]
+    p_o = p_q + o_t[:, None] * s_q_t + o_h[:, None] * s_q_h + L + o_r[None, :]
     tl.store(p_o, cast_rne(b_out, p_q.dtype.element_ty, FIX_BF16), mask=m)
 
 
 @triton.jit
 def _bmm_program(
-    pid, B, tokens_per_chunk, n_chunks, max_pos,
+    pid, B, tokens_per_chunk, n_chunks,
     p_qn, s_qn_t, s_qn_h,
-    p_qp, s_qp_t, s_qp_h,
-    p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
     p_w, s_w_h, s_w_p,
     p_q, s_q_t, s_q_h,
-    P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    IS_NEOX: tl.constexpr, DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
+    P: tl.constexpr, L: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
-    """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's tokens; the program
-    of the first L-tile also writes the head's rotated q_pe."""
+    """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's tokens.
+
+    BLOCK_T >= 16: tensor-core dots on [BLOCK_T, P] x [P, BLOCK_L] tiles. BLOCK_T == 1 (tiny
+    batches): one token at a time on the FMA units, with no layout change of the weight tile.
+    """
     NL: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
     i_c = pid % n_chunks
     i_hl = pid // n_chunks
@@ -89,29 +95,28 @@ def _bmm_program(
     # [BLOCK_P, BLOCK_L]: this head's weight slice, read once for all of the chunk's tokens
     p_wt = p_w + i_h.to(tl.int64) * s_w_h + o_p[:, None] * s_w_p + o_l[None, :]
     b_w = tl.load(p_wt, mask=m_p[:, None] & m_l[None, :], other=0.0)
-    if DOT_FP32:
+    if DOT_FP32 or BLOCK_T < 16:
         b_w = b_w.to(tl.float32)
 
+    # the chunk's tokens; the last chunk's tail is masked (bounds stay scalar arithmetic)
     t_start = i_c * tokens_per_chunk
-    t_end = tl.minimum(t_start + tokens_per_chunk, B)
-    for t0 in range(t_start, t_end, BLOCK_T):
+    for t0 in range(t_start, t_start + tokens_per_chunk, BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
-        m_t = o_t < t_end
+        m_t = o_t < B
         o_t64 = o_t.to(tl.int64)
         # [BLOCK_T, BLOCK_P]
         p_a = p_qn + o_t64[:, None] * s_qn_t + i_h * s_qn_h + o_p[None, :]
         b_a = tl.load(p_a, mask=m_t[:, None] & m_p[None, :], other=0.0)
-        if DOT_FP32:
-            b_a = b_a.to(tl.float32)
         # [BLOCK_T, BLOCK_L]
-        b_o = tl.dot(b_a, b_w)
+        if BLOCK_T < 16:
+            b_o = tl.sum(b_a.to(tl.float32)[:, :, None] * b_w[None, :, :], axis=1)
+        else:
+            if DOT_FP32:
+                b_a = b_a.to(tl.float32)
+            b_o = tl.dot(b_a, b_w)
         p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
         tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16),
                  mask=m_t[:, None] & m_l[None, :])
-        if i_l == 0:
-            _rope_q_tile(o_t64, m_t, i_h, max_pos, p_qp, s_qp_t, s_qp_h, p_pos, s_pos,
-                         p_cos, s_cos, p_sin, s_sin, p_q, s_q_t, s_q_h,
-                         R, L, BLOCK_R, IS_NEOX, FIX_BF16)
 
 
 @triton.jit
@@ -175,7 +180,7 @@ def _cache_program(
     tl.store(p_row + L + o_r, cast_rne(b_k, cache_ty, FIX_BF16), mask=(L + o_r) < n_store)
 
 
-@triton.jit(do_not_specialize=["B", "n_bmm", "tokens_per_chunk", "n_chunks", "num_slots",
+@triton.jit(do_not_specialize=["B", "n_bmm", "n_rope", "tokens_per_chunk", "n_chunks", "num_slots",
                                "max_pos", "scale_value"])
 def mla_decode_prologue_kernel(
     p_qn, s_qn_t, s_qn_h,
@@ -189,26 +194,31 @@ def mla_decode_prologue_kernel(
     p_scale, scale_value,
     p_q, s_q_t, s_q_h,
     p_cache, s_cache_b, s_cache_s,
-    B, n_bmm, tokens_per_chunk, n_chunks, max_pos, num_slots, block_size,
+    B, n_bmm, n_rope, tokens_per_chunk, n_chunks, max_pos, num_slots, block_size,
     H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr, ROPE_ROWS: tl.constexpr,
     IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, DOT_FP32: tl.constexpr,
     FIX_BF16: tl.constexpr,
 ):
-    """Programs [0, n_bmm): BMM + q RoPE tiles; programs [n_bmm, n_bmm + B): cache rows."""
+    """Programs [0, n_bmm): BMM tiles; the next n_rope: q RoPE rows; the last B: cache rows."""
     pid = tl.program_id(0)
     if pid < n_bmm:
         _bmm_program(
-            pid, B, tokens_per_chunk, n_chunks, max_pos,
-            p_qn, s_qn_t, s_qn_h, p_qp, s_qp_t, s_qp_h, p_pos, s_pos,
-            p_cos, s_cos, p_sin, s_sin, p_w, s_w_h, s_w_p, p_q, s_q_t, s_q_h,
-            P, R, L, BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_R, IS_NEOX, DOT_FP32, FIX_BF16,
+            pid, B, tokens_per_chunk, n_chunks,
+            p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_q, s_q_t, s_q_h,
+            P, L, BLOCK_P, BLOCK_L, BLOCK_T, DOT_FP32, FIX_BF16,
+        )
+    elif pid < n_bmm + n_rope:
+        _rope_q_program(
+            pid - n_bmm, B, max_pos,
+            p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
+            p_q, s_q_t, s_q_h, H, R, L, BLOCK_R, ROPE_ROWS, IS_NEOX, FIX_BF16,
         )
     else:
         _cache_program(
-            pid - n_bmm, max_pos, num_slots, block_size,
+            pid - n_bmm - n_rope, max_pos, num_slots, block_size,
             p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_pos, s_pos,
             p_cos, s_cos, p_sin, s_sin, p_slot, s_slot, p_scale, scale_value,
             p_cache, s_cache_b, s_cache_s,
@@ -232,27 +242,32 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: decode batches up to this size use the small-batch tile config (one extra compiled variant)
+SMALL_BATCH = 8
+
+
 @functools.lru_cache(maxsize=None)
-def launch_config(H: int, P: int, R: int, L: int, backend: str) -> dict:
+def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = False) -> dict:
     """Tile sizes for one model shape on one backend ("cuda", "hip" or "interpreter").
 
-    Keyed on the model dims only: the token count is a runtime argument, so changing the batch
-    size never recompiles. ``programs_per_sm`` sets how finely large batches are split into
-    token chunks (each chunk re-reads its weight slice once).
+    Keyed on the model dims and on one batch bucket (``small``: B <= SMALL_BATCH), so a
+    serving loop compiles at most two variants; the token count itself is a runtime argument.
+    ``programs_per_sm`` sets how finely large batches are split into token chunks (each chunk
+    re-reads its weight slice once). ``BLOCK_T=1`` selects the FMA path for tiny batches.
     """
-    block_p = triton.next_power_of_2(P)
-    block_r = triton.next_power_of_2(R)
+    common = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
+                  BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64)
     if backend == "interpreter":
         # few, fat programs: the interpreter's cost is per program and per op
-        return dict(BLOCK_P=block_p, BLOCK_L=triton.next_power_of_2(L), BLOCK_T=16,
-                    BLOCK_R=block_r,
+        return dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_T=1 if small else 16,
                     BLOCK_LC=triton.next_power_of_2(L), num_warps=1, num_stages=1,
                     programs_per_sm=0.0)
+    if small:
+        return dict(common, BLOCK_L=min(64, triton.next_power_of_2(L)), BLOCK_T=1,
+                    num_warps=4, num_stages=2, programs_per_sm=1.0)
     block_l = 64 if H <= 32 else 128
-    return dict(BLOCK_P=block_p, BLOCK_L=min(block_l, triton.next_power_of_2(L)), BLOCK_T=32,
-                BLOCK_R=block_r,
-                BLOCK_LC=min(512, triton.next_power_of_2(L)), num_warps=4, num_stages=2,
-                programs_per_sm=2.0)
+    return dict(common, BLOCK_L=min(block_l, triton.next_power_of_2(L)), BLOCK_T=32,
+                num_warps=4, num_stages=3, programs_per_sm=2.0)
 
 
 def _split_tokens(B: int, n_hl: int, cfg: dict, num_sms: int) -> tuple[int, int]:
@@ -279,11 +294,12 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
         return
     backend = _backend(q.device)
     if cfg is None:
-        cfg = launch_config(H, P, R, L, backend)
+        cfg = launch_config(H, P, R, L, backend, B <= SMALL_BATCH)
     n_hl = H * triton.cdiv(L, cfg["BLOCK_L"])
     num_sms = 1 if backend == "interpreter" else _num_sms(q.device.index or 0)
     tokens_per_chunk, n_chunks = _split_tokens(B, n_hl, cfg, num_sms)
     n_bmm = n_hl * n_chunks
+    n_rope = triton.cdiv(B * H, cfg["ROPE_ROWS"])
 
     kv_cache = args.kv_cache
     kv_fp8, fp8_max, fp8_min_exp = _FP8_FORMATS.get(kv_cache.dtype, (0, 0.0, 0))
@@ -294,7 +310,7 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
     interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
 
     qn, qp, kvc, kpe, w = args.q_nope, args.q_pe, args.kv_c, args.k_pe, args.w_uk_t
-    grid = (n_bmm + B,)
+    grid = (n_bmm + n_rope + B,)
     mla_decode_prologue_kernel[grid](
         qn, qn.stride(0), qn.stride(1),
         qp, qp.stride(0), qp.stride(1),
@@ -307,11 +323,11 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
         p_scale, scale_value,
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-        B, n_bmm, tokens_per_chunk, n_chunks, args.cos_cache.shape[0],
+        B, n_bmm, n_rope, tokens_per_chunk, n_chunks, args.cos_cache.shape[0],
         kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1],
         H=H, P=P, R=R, L=L,
         BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"],
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"], ROPE_ROWS=cfg["ROPE_ROWS"],
         IS_NEOX=args.is_neox, KV_FP8=kv_fp8, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
         SCALE_FROM_PTR=scale_from_ptr, DOT_FP32=interp, FIX_BF16=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
