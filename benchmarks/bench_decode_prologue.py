@@ -34,7 +34,8 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fusemla.ops import checks  # noqa: E402
-from fusemla.ops.decode_prologue import launch, launch_config, mla_decode_prologue  # noqa: E402
+from fusemla.ops.decode_prologue import (  # noqa: E402
+    SMALL_BATCH, launch, launch_config, mla_decode_prologue)
 from fusemla.reference import mla_decode_prologue_ref  # noqa: E402
 from fusemla.testing import DEEPSEEK_V3, check_against_reference, make_inputs  # noqa: E402
 
@@ -103,8 +104,17 @@ def fused_call(inp, cfg=None):
     return lambda: launch(args, inp.extra["out"], cfg)
 
 
-def sweep_configs(H, dims):
-    base = launch_config(H, dims["P"], dims["R"], dims["L"], "cuda")
+def sweep_configs(H, dims, B):
+    small = B <= SMALL_BATCH
+    base = launch_config(H, dims["P"], dims["R"], dims["L"], "cuda", small)
+    if small:  # the FMA path, and the tensor-core path at its smallest tile
+        for bl, nw in itertools.product((32, 64, 128), (2, 4, 8)):
+            yield dict(base, BLOCK_L=bl, BLOCK_T=1, num_warps=nw, num_stages=2,
+                       programs_per_sm=1.0)
+        for bl, nw in itertools.product((64, 128, 256), (4, 8)):
+            yield dict(base, BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=2,
+                       programs_per_sm=1.0)
+        return
     for bl, bt, nw, ns, pps in itertools.product((64, 128, 256), (16, 32, 64), (4, 8), (2, 3),
                                                  (1.0, 2.0, 4.0)):
         if bl * bt > 128 * 64 and nw == 4:
@@ -120,7 +130,7 @@ def main() -> int:
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--sweep", action="store_true", help="also sweep fused tile configs")
-    ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 64, 512])
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--plot", default=None, help="PNG path for a plot (needs matplotlib)")
     a = ap.parse_args()
@@ -186,7 +196,7 @@ def main() -> int:
                              correct=not probs if impl == "fused" else None))
         if a.sweep and kv_name == "bf16" and B in a.sweep_batches:
             best = None
-            for cfg in sweep_configs(H, dims):
+            for cfg in sweep_configs(H, dims, B):
                 try:
                     us = time_graph([fused_call(x, cfg) for x in layers], rep=40)
                 except Exception as e:  # a tile config that does not compile (shared memory)
