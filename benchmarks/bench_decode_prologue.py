@@ -107,10 +107,7 @@ def fused_call(inp, cfg=None):
 def sweep_configs(H, dims, B):
     small = B <= SMALL_BATCH
     base = launch_config(H, dims["P"], dims["R"], dims["L"], "cuda", small)
-    if small:  # the FMA path, and the tensor-core path at its smallest tile
-        for bl, nw in itertools.product((32, 64, 128), (2, 4, 8)):
-            yield dict(base, BLOCK_L=bl, BLOCK_T=1, num_warps=nw, num_stages=2,
-                       programs_per_sm=1.0)
+    if small:
         for bl, nw in itertools.product((64, 128, 256), (4, 8)):
             yield dict(base, BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=2,
                        programs_per_sm=1.0)

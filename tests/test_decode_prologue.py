@@ -91,7 +91,9 @@ def _check_cache(inp, cache, cache_ref, cache_before, rows64, is_neox):
         assert not torch.isnan(got.float()).any()
         # latent part: exact copy
         assert torch.equal(got[:, :L], inp.kv_c.cpu()[valid].to(cache.dtype))
-        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=ULP[cache.dtype])
+        # rope part: one ulp, plus fp32 rounding under cancellation where the GPU contracts FMAs
+        atol = 0.0 if inp.q_nope.device.type == "cpu" else 1e-6
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=ULP[cache.dtype])
         assert _rel_err(got, rows64[valid]) < REL_TOL[cache.dtype]
 
 

@@ -6,8 +6,7 @@ One launch, one flat grid with two kinds of program:
   ``[P, BLOCK_L]`` slice of ``W_UK_T[h]`` once, then walks its chunk of tokens ``BLOCK_T`` at a
   time: ``q[t, h, l-tile] = q_nope[t, h, :] @ W`` on the tensor cores, stored straight into the
   query buffer (zero-copy concat). With one chunk every weight byte is read once per launch;
-  large batches split the tokens into a few chunks so the grid fills the GPU. Tiny batches
-  (B <= 8) take an FMA path instead of padding the tensor-core tile to 16 tokens.
+  large batches split the tokens into a few chunks so the grid fills the GPU.
 * RoPE programs, ``cdiv(B * H, ROPE_ROWS)`` of them: each rotates a ``[ROPE_ROWS, R]`` tile of
   (token, head) rows of ``q_pe`` into ``q[t, h, L:]`` (no loop, so no serial latency chain).
 * Cache programs, one per token: rotate ``k_pe`` and write ``[kv_c, k_pe_rot]`` (quantized for
@@ -77,11 +76,8 @@ def _bmm_program(
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
-    """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's tokens.
-
-    BLOCK_T >= 16: tensor-core dots on [BLOCK_T, P] x [P, BLOCK_L] tiles. BLOCK_T == 1 (tiny
-    batches): one token at a time on the FMA units, with no layout change of the weight tile.
-    """
+    """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's tokens, as
+    tensor-core dots of [BLOCK_T, P] x [P, BLOCK_L] tiles (BLOCK_T >= 16)."""
     NL: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
     i_c = pid % n_chunks
     i_hl = pid // n_chunks
@@ -95,7 +91,7 @@ def _bmm_program(
     # [BLOCK_P, BLOCK_L]: this head's weight slice, read once for all of the chunk's tokens
     p_wt = p_w + i_h.to(tl.int64) * s_w_h + o_p[:, None] * s_w_p + o_l[None, :]
     b_w = tl.load(p_wt, mask=m_p[:, None] & m_l[None, :], other=0.0)
-    if DOT_FP32 or BLOCK_T < 16:
+    if DOT_FP32:
         b_w = b_w.to(tl.float32)
 
     # the chunk's tokens; the last chunk's tail is masked (bounds stay scalar arithmetic)
@@ -107,13 +103,10 @@ def _bmm_program(
         # [BLOCK_T, BLOCK_P]
         p_a = p_qn + o_t64[:, None] * s_qn_t + i_h * s_qn_h + o_p[None, :]
         b_a = tl.load(p_a, mask=m_t[:, None] & m_p[None, :], other=0.0)
+        if DOT_FP32:
+            b_a = b_a.to(tl.float32)
         # [BLOCK_T, BLOCK_L]
-        if BLOCK_T < 16:
-            b_o = tl.sum(b_a.to(tl.float32)[:, :, None] * b_w[None, :, :], axis=1)
-        else:
-            if DOT_FP32:
-                b_a = b_a.to(tl.float32)
-            b_o = tl.dot(b_a, b_w)
+        b_o = tl.dot(b_a, b_w)
         p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
         tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16),
                  mask=m_t[:, None] & m_l[None, :])
@@ -253,21 +246,24 @@ def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = Fa
     Keyed on the model dims and on one batch bucket (``small``: B <= SMALL_BATCH), so a
     serving loop compiles at most two variants; the token count itself is a runtime argument.
     ``programs_per_sm`` sets how finely large batches are split into token chunks (each chunk
-    re-reads its weight slice once). ``BLOCK_T=1`` selects the FMA path for tiny batches.
+    re-reads its weight slice once). The CUDA values are the best of a sweep on an H200
+    (benchmarks/results/, ``--sweep``); ROCm uses them until measured there.
     """
     common = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
-                  BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64)
+                  BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64, BLOCK_T=16)
+    lmax = triton.next_power_of_2(L)
     if backend == "interpreter":
         # few, fat programs: the interpreter's cost is per program and per op
-        return dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_T=1 if small else 16,
-                    BLOCK_LC=triton.next_power_of_2(L), num_warps=1, num_stages=1,
+        return dict(common, BLOCK_L=lmax, BLOCK_LC=lmax, num_warps=1, num_stages=1,
                     programs_per_sm=0.0)
     if small:
-        return dict(common, BLOCK_L=min(64, triton.next_power_of_2(L)), BLOCK_T=1,
-                    num_warps=4, num_stages=2, programs_per_sm=1.0)
-    block_l = 64 if H <= 32 else 128
-    return dict(common, BLOCK_L=min(block_l, triton.next_power_of_2(L)), BLOCK_T=32,
-                num_warps=4, num_stages=3, programs_per_sm=2.0)
+        return dict(common, BLOCK_L=min(128 if H <= 32 else 256, lmax), num_warps=8,
+                    num_stages=2, programs_per_sm=1.0)
+    if H <= 32:
+        return dict(common, BLOCK_L=min(128, lmax), BLOCK_T=64, num_warps=8, num_stages=3,
+                    programs_per_sm=1.0)
+    return dict(common, BLOCK_L=min(256, lmax), BLOCK_T=64, num_warps=8, num_stages=2,
+                programs_per_sm=1.0)
 
 
 def _split_tokens(B: int, n_hl: int, cfg: dict, num_sms: int) -> tuple[int, int]:
