@@ -316,7 +316,8 @@ def test_cuda_graph_replay_reads_new_inputs_and_scale(device):
         mla_decode_prologue(*inp.args(), kv_scale=inp.kv_scale, out=out)
     fresh = make_inputs(B, **_dims(device, 16), kv_dtype=FP8, kv_scale="tensor", device=device,
                         generator=g, num_blocks=8, pad_fraction=0.3)
-    for name in ("q_nope", "q_pe", "kv_c", "k_pe", "positions", "slot_mapping"):
+    for name in ("q_nope", "q_pe", "kv_c", "k_pe", "w_uk_t", "positions", "cos_cache",
+                 "sin_cache", "slot_mapping"):
         getattr(inp, name).copy_(getattr(fresh, name))
     inp.kv_scale.copy_(fresh.kv_scale)
     inp.kv_cache.copy_(fresh.kv_cache)

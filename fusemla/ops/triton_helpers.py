@@ -46,10 +46,12 @@ def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, NEG_ZERO:
     m = a * inv_quantum  # < 16, exact
     r = (m + 8388608.0) - 8388608.0  # round half to even onto the integers (fp32 RNE add)
     y = r * quantum
-    if NEG_ZERO:
-        y = tl.where(x.to(tl.int32, bitcast=True) < 0, -y, y)
-    else:
-        y = tl.where((x < 0) & (y > 0), -y, y)
+    # the sign goes back on as a bit: compilers may treat the sign of a float zero as
+    # insignificant, so ``-y`` for y == 0 can lose it
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    if not NEG_ZERO:
+        sign = tl.where(y > 0, sign, 0)  # e4m3fnuz has no -0 (its byte is NaN)
+    y = (y.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, y)
 
 
