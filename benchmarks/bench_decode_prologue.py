@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusemla.ops import checks  # noqa: E402
 from fusemla.ops.decode_prologue import (  # noqa: E402
     SMALL_BATCH, launch, launch_config, mla_decode_prologue)
+from fusemla.quant import quantize_fp8_weight, quantize_mxfp4_weight  # noqa: E402
 from fusemla.reference import mla_decode_prologue_ref  # noqa: E402
 from fusemla.testing import DEEPSEEK_V3, check_against_reference, make_inputs  # noqa: E402
 
@@ -96,6 +97,41 @@ def layer_inputs(B, H, dims, kv_dtype, seed):
     return layers
 
 
+#: quantized-weight variants timed beside bf16: label -> (format, fp8 activations)
+W_VARIANTS = {"fp8": ("fp8", False), "fp8_act": ("fp8", True), "mxfp4": ("mxfp4", None)}
+
+
+def quantized(inp, label):
+    """This layer's W_UK_T in a variant's format (made once per layer)."""
+    cache = inp.extra.setdefault("qw", {})
+    fmt = W_VARIANTS[label][0]
+    if fmt not in cache:
+        cache[fmt] = (quantize_fp8_weight(inp.w_uk_t) if fmt == "fp8"
+                      else quantize_mxfp4_weight(inp.w_uk_t))
+    return cache[fmt]
+
+
+def variant_call(inp, label):
+    args = list(inp.args())
+    args[4] = quantized(inp, label)
+    act = W_VARIANTS[label][1]
+    return lambda: mla_decode_prologue(*args, kv_scale=inp.kv_scale, out=inp.extra["out"],
+                                       fp8_activations=act)
+
+
+def check_variant(inp, label) -> list:
+    """Quantized variant vs the reference that quantizes the same way."""
+    args = list(inp.args())
+    args[4] = quantized(inp, label)
+    act = W_VARIANTS[label][1]
+    cache = inp.kv_cache.clone()
+    q = mla_decode_prologue(*args, kv_scale=inp.kv_scale, fp8_activations=act)
+    args[8] = cache
+    q_ref = mla_decode_prologue_ref(*args, kv_scale=inp.kv_scale, fp8_activations=act)
+    rel = float((q.double() - q_ref.double()).norm() / q_ref.double().norm())
+    return [] if rel < 1e-2 and not torch.isnan(q.float()).any() else [f"{label}: rel {rel:.2e}"]
+
+
 def fused_call(inp, cfg=None):
     if cfg is None:
         return lambda: mla_decode_prologue(*inp.args(), kv_scale=inp.kv_scale,
@@ -126,6 +162,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--no-quant", action="store_true", help="skip the FP8/MXFP4 weight rows")
     ap.add_argument("--sweep", action="store_true", help="also sweep fused tile configs")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
@@ -175,6 +212,17 @@ def main() -> int:
         if not a.no_compile:
             impls["unfused_compiled"] = [(lambda x=x: compiled_ref(
                 *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]
+        variants = {}
+        if kv_name == "bf16" and not a.no_quant:
+            for label in W_VARIANTS:
+                try:
+                    p = check_variant(chk, label)
+                except Exception as e:  # report it, keep the other rows
+                    p = [f"{label}: raised {type(e).__name__}: {e}"]
+                if p:
+                    failures.append((kv_name, H, B, p))
+                    print(f"!! H={H} B={B}: {p}")
+                variants[label] = [variant_call(x, label) for x in layers]
         if kv_name == "bf16":
             impls["cublas_bmm_only"] = [(lambda x=x: torch.bmm(
                 x.q_nope.transpose(0, 1), x.w_uk_t,
@@ -191,6 +239,18 @@ def main() -> int:
                              H=H, B=B, us=round(us, 3), gbps=round(gbps, 1),
                              pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nbytes,
                              correct=not probs if impl == "fused" else None))
+        for label, calls in variants.items():
+            try:
+                us = time_graph(calls)
+            except Exception as e:
+                print(f"!! fused {label} H={H} B={B} failed: {type(e).__name__}: {e}")
+                continue
+            wbytes = {"fp8": 1, "fp8_act": 1, "mxfp4": 0.5 + 1 / 32}[label]
+            nb = min_bytes(B, H, dims["P"], dims["R"], dims["L"], 2, wbytes, 2)
+            gbps = nb / (us * 1e-6) / 1e9
+            rows.append(dict(op=OP, impl="fused", w_dtype=label, kv_dtype="bf16", H=H, B=B,
+                             us=round(us, 3), gbps=round(gbps, 1),
+                             pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nb))
         if a.sweep and kv_name == "bf16" and B in a.sweep_batches:
             best = None
             for cfg in sweep_configs(H, dims, B):
@@ -209,6 +269,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     # table
+    print_quant_table(rows, a)
     print(f"\n{'kv':>8} {'H':>4} {'B':>4} | " + " | ".join(
         f"{n:>24}" for n in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only")))
     print(f"{'':>8} {'':>4} {'':>4} | " + " | ".join(f"{'us  GB/s  %bw':>24}" for _ in range(4)))
@@ -217,7 +278,7 @@ def main() -> int:
         cells = []
         for impl in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only"):
             r = [x for x in rows if x["impl"] == impl and x["H"] == H and x["B"] == B
-                 and x["kv_dtype"] == kvd]
+                 and x["kv_dtype"] == kvd and x["w_dtype"] == "bf16"]
             cells.append(f"{r[0]['us']:8.2f} {r[0]['gbps']:7.0f} {r[0]['pct_copy_bw']:5.1f}%"
                          if r else f"{'-':>24}")
         print(f"{kvd:>8} {H:>4} {B:>4} | " + " | ".join(cells))
@@ -237,6 +298,20 @@ def main() -> int:
     return 1 if failures else 0
 
 
+def print_quant_table(rows, a):
+    """µs per layer of the fused kernel by weight format (bf16 cache), and the ratio to bf16."""
+    labels = ["bf16", *W_VARIANTS]
+    print(f"\n{'H':>4} {'B':>4} | " + " | ".join(f"{x:>15}" for x in labels))
+    for H, B in itertools.product(a.heads, a.batches):
+        by = {r["w_dtype"]: r["us"] for r in rows if r["impl"] == "fused" and r["H"] == H
+              and r["B"] == B and r["kv_dtype"] == "bf16"}
+        if "bf16" not in by:
+            continue
+        cells = [f"{by[x]:7.2f} ({by[x] / by['bf16']:4.2f}x)" if x in by else f"{'-':>15}"
+                 for x in labels]
+        print(f"{H:>4} {B:>4} | " + " | ".join(cells))
+
+
 def plot(rows, path, header):
     try:
         import matplotlib
@@ -251,7 +326,8 @@ def plot(rows, path, header):
     for ax, H in zip(axes[0], heads):
         for impl in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only"):
             rs = sorted((r for r in rows if r["H"] == H and r["impl"] == impl
-                         and r["kv_dtype"] == "bf16"), key=lambda r: r["B"])
+                         and r["kv_dtype"] == "bf16" and r["w_dtype"] == "bf16"),
+                        key=lambda r: r["B"])
             if rs:
                 ax.plot([r["B"] for r in rs], [r["us"] for r in rs], marker="o", label=impl)
         ax.set_xscale("log", base=2)

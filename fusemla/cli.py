@@ -46,7 +46,7 @@ def _version(module: str) -> str:
 
 
 def info_lines() -> list[str]:
-    """What ``fusemla info`` prints: versions, the accelerator, the Triton mode."""
+    """What ``fusemla info`` prints: versions, the accelerator, the Triton mode, the platform."""
     from fusemla import __version__
 
     lines = [
@@ -73,6 +73,13 @@ def info_lines() -> list[str]:
         lines.append(f"GPU: unknown (torch failed: {type(exc).__name__}: {exc})")
     interp = os.environ.get("TRITON_INTERPRET")
     lines.append("TRITON_INTERPRET: " + ("not set" if interp is None else repr(interp)))
+    # what the kernels would see on the default device, and the variants they would pick
+    try:
+        from fusemla.platform import detect, report_lines
+
+        lines.extend(report_lines(detect()))
+    except Exception as exc:  # noqa: BLE001 - info reports, it never fails
+        lines.append(f"platform: unknown (detection failed: {type(exc).__name__}: {exc})")
     return lines
 
 

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from fusemla.ops.checks import FP8_CACHE_DTYPES, PrologueArgs, validate
+from fusemla.ops.checks import FP8_CACHE_DTYPES, PrologueArgs, resolve_fp8_activations, validate
 from fusemla.rope import apply_rope
 
 
@@ -33,6 +33,36 @@ def quantize_fp8(x: torch.Tensor, scale: Union[float, torch.Tensor], dtype: torc
     if not isinstance(scale, torch.Tensor):
         scale = torch.full((), scale, dtype=torch.float32, device=x.device)
     return (x.float() / scale.float()).clamp(-m, m).to(dtype)
+
+
+def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
+    """``q_nope @ W_UK_T[h]`` per head, ``[B, H, L]``, quantizing exactly as the kernel does.
+
+    Plain weights: ``torch.bmm`` in the activations' dtype (what engines run), or in fp32 when
+    ``fp32`` (the result is rounded again later, e.g. to FP8). FP8 weights: ``data * scale``
+    with fp32 products, the activations either as they are or quantized to the weight's FP8
+    format per (token, head) with ``a_scale = amax / fp8_max``. MXFP4: the dequantized weight.
+    Returns fp32 unless it is the plain activations'-dtype product.
+    """
+    qn = args.q_nope.transpose(0, 1)  # [H, B, P]
+    w = args.w_uk_t
+    if isinstance(w, torch.Tensor):
+        out = torch.bmm(qn.float(), w.float()) if fp32 else torch.bmm(qn, w)
+        return out.transpose(0, 1)
+    if w.format == "mxfp4":
+        return torch.bmm(qn.float(), w.dequantize(torch.float32)).transpose(0, 1)
+    a = qn.float()
+    a_scale = None
+    if resolve_fp8_activations(args):
+        fmax = torch.full((), fp8_max(w.data.dtype), dtype=torch.float32, device=a.device)
+        amax = a.abs().amax(dim=-1, keepdim=True)
+        a_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+        a = quantize_fp8(a, a_scale, w.data.dtype).float()
+    out = torch.bmm(a, w.data.float())  # [H, B, L]
+    if a_scale is not None:
+        out = out * a_scale
+    w_scale = w.scale.float().reshape(-1, 1, 1)  # [1] or [H] -> broadcast over heads
+    return (out * w_scale).transpose(0, 1)
 
 
 def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -65,17 +95,21 @@ def prologue_into(args: PrologueArgs, q: torch.Tensor) -> None:
         return
     dtype = args.q_nope.dtype
     L = args.L
+    q_fp8 = q.dtype in FP8_CACHE_DTYPES
     # 1. absorbed BMM: [H, B, P] @ [H, P, L] -> [H, B, L]
-    ql_nope = torch.bmm(args.q_nope.transpose(0, 1), args.w_uk_t).transpose(0, 1)
+    ql_nope = absorbed_bmm(args, fp32=q_fp8)
     # 2. RoPE (positions clamped like the kernel's)
     pos = args.positions.long().clamp(0, args.cos_cache.shape[0] - 1)
     cos = args.cos_cache[pos].float()
     sin = args.sin_cache[pos].float()
     q_pe = apply_rope(args.q_pe, cos[:, None, :], sin[:, None, :], args.is_neox)
     k_pe = apply_rope(args.k_pe, cos, sin, args.is_neox)
-    # 3. concat into the 576-wide query
-    q[..., :L] = ql_nope
-    q[..., L:] = q_pe.to(dtype)
+    # 3. concat into the 576-wide query (FP8: one scale for both halves)
+    if q_fp8:
+        q.copy_(quantize_fp8(torch.cat([ql_nope.float(), q_pe], dim=-1), args.q_scale, q.dtype))
+    else:
+        q[..., :L] = ql_nope
+        q[..., L:] = q_pe.to(dtype)
     # 4. paged KV-cache write
     cache = args.kv_cache
     row_fp32 = torch.cat([args.kv_c.float(), k_pe], dim=-1)
@@ -101,7 +135,7 @@ def mla_decode_prologue_ref(
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
-    w_uk_t: torch.Tensor,
+    w_uk_t: object,
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
@@ -111,10 +145,15 @@ def mla_decode_prologue_ref(
     is_neox: bool = False,
     kv_scale: Union[float, torch.Tensor, None] = None,
     out: Optional[torch.Tensor] = None,
+    q_out_dtype: Optional[torch.dtype] = None,
+    q_scale: Union[float, torch.Tensor, None] = None,
+    fp8_activations: Optional[bool] = None,
 ) -> torch.Tensor:
     """Unfused reference of :func:`fusemla.mla_decode_prologue` (same arguments and result)."""
     args = validate(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
-                    kv_cache, slot_mapping, is_neox, kv_scale, out)
-    q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R))
+                    kv_cache, slot_mapping, is_neox, kv_scale, out, q_out_dtype, q_scale,
+                    fp8_activations)
+    q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R),
+                                                     dtype=args.q_dtype)
     prologue_into(args, q)
     return q

@@ -25,13 +25,14 @@ ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass
 class PrologueArgs:
-    """Validated, normalized arguments (``k_pe`` always ``[B, R]``)."""
+    """Validated, normalized arguments (``k_pe`` always ``[B, R]``; ``w_uk_t`` a tensor in the
+    activations' dtype or a :class:`fusemla.quant.QuantizedWeight`)."""
 
     q_nope: torch.Tensor
     q_pe: torch.Tensor
     kv_c: torch.Tensor
     k_pe: torch.Tensor
-    w_uk_t: torch.Tensor
+    w_uk_t: object
     positions: torch.Tensor
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
@@ -39,6 +40,9 @@ class PrologueArgs:
     slot_mapping: torch.Tensor
     is_neox: bool
     kv_scale: Union[float, torch.Tensor, None]
+    q_dtype: torch.dtype  # the query's dtype: the activations', or FP8 with q_scale
+    q_scale: Union[float, torch.Tensor, None]
+    fp8_activations: Optional[bool]  # FP8 weights only: None = chosen by the platform
     B: int
     H: int
     P: int
@@ -71,6 +75,55 @@ def _last_contiguous(name: str, x: torch.Tensor) -> None:
         )
 
 
+def _scale(name: str, scale: object, needed_by: Optional[str]) -> Union[float, torch.Tensor, None]:
+    """A positive float (rounded to fp32, as the kernel receives it) or a 1-element fp32 tensor."""
+    if scale is None:
+        if needed_by is not None:
+            raise FuseMLAValueError(
+                f"{name}: {needed_by} needs {name} (a positive float or a 1-element fp32 "
+                "tensor), got None"
+            )
+        return None
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise FuseMLAValueError(f"{name}: expected a 1-element tensor, got {describe(scale)}")
+        _dtype(name, scale, (torch.float32,))
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise FuseMLATypeError(
+            f"{name}: expected a float or a 1-element fp32 tensor, got {describe(scale)}"
+        )
+    scale32 = struct.unpack("f", struct.pack("f", scale))[0] if math.isfinite(scale) else scale
+    if not (math.isfinite(scale32) and scale32 > 0):
+        raise FuseMLAValueError(f"{name}: expected a finite value > 0 (as fp32), got {scale!r}")
+    return scale32
+
+
+def _weight(w_uk_t: object, H: int, P: int, L: int, act: torch.dtype) -> object:
+    """W_UK_T: a [H, P, L] tensor in the activations' dtype, or a QuantizedWeight."""
+    from fusemla.quant import QuantizedWeight
+
+    if isinstance(w_uk_t, QuantizedWeight):
+        if tuple(w_uk_t.shape) != (H, P, L):
+            raise FuseMLAValueError(
+                f"w_uk_t: expected a quantized weight of shape [H={H}, P={P}, L={L}], got "
+                f"format {w_uk_t.format!r} with shape {tuple(w_uk_t.shape)}"
+            )
+        for part in ("data", "scale"):
+            t = getattr(w_uk_t, part)
+            if t.dim() > 1:
+                _last_contiguous(f"w_uk_t.{part}", t)
+        return w_uk_t
+    w_uk_t = _tensor("w_uk_t", w_uk_t)
+    _shape("w_uk_t", w_uk_t, (H, P, L), f"[H={H}, P={P}, L={L}]")
+    if w_uk_t.dtype != act:
+        raise FuseMLATypeError(
+            f"w_uk_t: expected dtype {act} (the activations' dtype) or a "
+            f"fusemla.quant.QuantizedWeight, got {describe(w_uk_t)}"
+        )
+    return w_uk_t
+
+
 def validate(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -85,6 +138,9 @@ def validate(
     is_neox: bool,
     kv_scale: Union[float, torch.Tensor, None],
     out: Optional[torch.Tensor],
+    q_out_dtype: Optional[torch.dtype] = None,
+    q_scale: Union[float, torch.Tensor, None] = None,
+    fp8_activations: Optional[bool] = None,
 ) -> PrologueArgs:
     """Check every argument of :func:`fusemla.mla_decode_prologue`; raise before any launch."""
     q_nope = _tensor("q_nope", q_nope)
@@ -114,8 +170,7 @@ def validate(
         k_pe = k_pe[:, 0]
     _shape("k_pe", k_pe, (B, R), f"[B={B}, R={R}] or [B={B}, 1, R={R}]")
 
-    w_uk_t = _tensor("w_uk_t", w_uk_t)
-    _shape("w_uk_t", w_uk_t, (H, P, L), f"[H={H}, P={P}, L={L}]")
+    w_uk_t = _weight(w_uk_t, H, P, L, q_nope.dtype)
 
     positions = _tensor("positions", positions)
     _shape("positions", positions, (B,), f"[B={B}]")
@@ -147,45 +202,39 @@ def validate(
     for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
         if x.dtype != act:
             raise FuseMLATypeError(f"{name}: expected dtype {act} (like q_nope), got {describe(x)}")
-    if w_uk_t.dtype != act:
-        raise FuseMLATypeError(
-            f"w_uk_t: expected dtype {act} (the activations' dtype), got {describe(w_uk_t)}"
-        )
 
+    q_dtype = act if q_out_dtype is None else q_out_dtype
+    if q_dtype not in (act,) + FP8_CACHE_DTYPES:
+        raise FuseMLATypeError(
+            f"q_out_dtype: expected None, {act} or an FP8 dtype, got {q_out_dtype!r}"
+        )
     if out is not None:
         out = _tensor("out", out)
         _shape("out", out, (B, H, L + R), f"[B={B}, H={H}, L+R={L + R}]")
-        if out.dtype != act:
-            raise FuseMLATypeError(f"out: expected dtype {act} (like q_nope), got {describe(out)}")
-
-    if kv_cache.dtype in FP8_CACHE_DTYPES:
-        if kv_scale is None:
-            raise FuseMLAValueError(
-                f"kv_scale: an FP8 kv_cache ({kv_cache.dtype}) needs kv_scale (a positive float "
-                "or a 1-element fp32 tensor), got None"
-            )
-    if isinstance(kv_scale, torch.Tensor):
-        if kv_scale.numel() != 1:
-            raise FuseMLAValueError(f"kv_scale: expected a 1-element tensor, got {describe(kv_scale)}")
-        _dtype("kv_scale", kv_scale, (torch.float32,))
-    elif kv_scale is not None:
-        if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)):
+        if out.dtype != q_dtype:
             raise FuseMLATypeError(
-                f"kv_scale: expected a float or a 1-element fp32 tensor, got {describe(kv_scale)}"
+                f"out: expected dtype {q_dtype} (q_out_dtype, default the activations'), "
+                f"got {describe(out)}"
             )
-        # the kernel takes the scale as fp32, as engines store it: round once, here
-        scale32 = struct.unpack("f", struct.pack("f", kv_scale))[0] if math.isfinite(kv_scale) else kv_scale
-        if not (math.isfinite(scale32) and scale32 > 0):
-            raise FuseMLAValueError(
-                f"kv_scale: expected a finite value > 0 (as fp32), got {kv_scale!r}"
-            )
-        kv_scale = scale32
+    kv_fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
+    kv_scale = _scale("kv_scale", kv_scale, f"an FP8 kv_cache ({kv_cache.dtype})" if kv_fp8 else None)
+    q_fp8 = q_dtype in FP8_CACHE_DTYPES
+    q_scale = _scale("q_scale", q_scale, f"q_out_dtype={q_dtype}" if q_fp8 else None)
+    if fp8_activations and getattr(w_uk_t, "format", None) != "fp8":
+        raise FuseMLAValueError(
+            "fp8_activations: only FP8 weights (a QuantizedWeight of format 'fp8') can run with "
+            f"FP8 activations, got w_uk_t {describe(w_uk_t)}"
+        )
 
-    named = [("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), ("w_uk_t", w_uk_t),
+    w_parts = ([("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)]
+               if not isinstance(w_uk_t, torch.Tensor) else [("w_uk_t", w_uk_t)])
+    named = [("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), *w_parts,
              ("positions", positions), ("cos_cache", cos_cache), ("sin_cache", sin_cache),
              ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)]
     if isinstance(kv_scale, torch.Tensor):
         named.append(("kv_scale", kv_scale))
+    if isinstance(q_scale, torch.Tensor):
+        named.append(("q_scale", q_scale))
     if out is not None:
         named.append(("out", out))
     for name, x in named:
@@ -194,10 +243,11 @@ def validate(
                 f"{name}: expected device {device} (like q_nope), got {describe(x)}"
             )
     for name, x in [("q_nope", q_nope)] + named:
-        if x.dim() > 1:
+        if x.dim() > 1 and not name.startswith("w_uk_t."):
             _last_contiguous(name, x)
     return PrologueArgs(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
-                        kv_cache, slot_mapping, bool(is_neox), kv_scale, B, H, P, R, L)
+                        kv_cache, slot_mapping, bool(is_neox), kv_scale, q_dtype, q_scale,
+                        fp8_activations, B, H, P, R, L)
 
 
 def check_device_values(args: PrologueArgs) -> None:
@@ -226,3 +276,14 @@ def check_device_values(args: PrologueArgs) -> None:
         value = float(args.kv_scale.detach().cpu().reshape(()))
         if not (math.isfinite(value) and value > 0):
             raise FuseMLAValueError(f"kv_scale: expected a finite value > 0, got {value!r}")
+
+
+def resolve_fp8_activations(args: PrologueArgs) -> bool:
+    """Whether FP8 weights run against FP8-quantized activations (False for other weights)."""
+    if getattr(args.w_uk_t, "format", None) != "fp8":
+        return False
+    if args.fp8_activations is not None:
+        return bool(args.fp8_activations)
+    from fusemla import platform
+
+    return platform.choose_fp8_activations(platform.detect(args.q_nope.device), args.B)

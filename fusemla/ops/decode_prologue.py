@@ -22,7 +22,7 @@ access: positions are clamped into ``[0, max_position)``; slots that are negativ
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import triton
@@ -30,7 +30,12 @@ import triton.language as tl
 
 from fusemla import config
 from fusemla.ops import checks
-from fusemla.ops.triton_helpers import cast_rne, rope_indices, round_to_fp8_grid
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fusemla.quant import QuantizedWeight
+from fusemla.ops.triton_helpers import (
+    cast_rne, e2m1_to_f32, e8m0_to_f32, quantize_value, rope_indices, round_to_fp8_grid,
+)
 
 # --------------------------------------------------------------------------------------------
 # Kernel
@@ -38,12 +43,21 @@ from fusemla.ops.triton_helpers import cast_rne, rope_indices, round_to_fp8_grid
 
 
 @triton.jit
+def _q_scale(p_qs, q_scale_value, Q_FP8: tl.constexpr, Q_SCALE_FROM_PTR: tl.constexpr):
+    if Q_FP8 != 0 and Q_SCALE_FROM_PTR:
+        return tl.load(p_qs).to(tl.float32)
+    return q_scale_value
+
+
+@triton.jit
 def _rope_q_program(
     j, B, max_pos,
     p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
-    p_q, s_q_t, s_q_h,
+    p_q, s_q_t, s_q_h, p_qs, q_scale_value,
     H: tl.constexpr, R: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
-    ROPE_ROWS: tl.constexpr, IS_NEOX: tl.constexpr, FIX_BF16: tl.constexpr,
+    ROPE_ROWS: tl.constexpr, IS_NEOX: tl.constexpr, Q_FP8: tl.constexpr,
+    Q_FP8_MAX: tl.constexpr, Q_FP8_MIN_EXP: tl.constexpr, Q_SCALE_FROM_PTR: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     """q[t, h, L:L+R] = rope(q_pe[t, h]) for ROPE_ROWS consecutive (token, head) rows."""
     o_row = j.to(tl.int64) * ROPE_ROWS + tl.arange(0, ROPE_ROWS)
@@ -62,23 +76,68 @@ def _rope_q_program(
     b_cos = tl.load(p_cos + pos[:, None] * s_cos + o_col[None, :], mask=m, other=0.0)
     b_sin = tl.load(p_sin + pos[:, None] * s_sin + o_col[None, :], mask=m, other=0.0)
     b_out = b_x * b_cos.to(tl.float32) + b_y * (b_sin.to(tl.float32) * sign[None, :])
+    q_scale = _q_scale(p_qs, q_scale_value, Q_FP8, Q_SCALE_FROM_PTR)
+    b_out = quantize_value(b_out, q_scale, Q_FP8, Q_FP8_MAX, Q_FP8_MIN_EXP)
     p_o = p_q + o_t[:, None] * s_q_t + o_h[:, None] * s_q_h + L + o_r[None, :]
     tl.store(p_o, cast_rne(b_out, p_q.dtype.element_ty, FIX_BF16), mask=m)
+
+
+@triton.jit
+def _load_w_tile(
+    p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p, i_h, o_p, o_l, m_w,
+    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, ACT_FP8: tl.constexpr,
+    DOT_TY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """This head's [P, BLOCK_L] weight slice, ready for tl.dot (or, for native MXFP4, the
+    packed [P/2, BLOCK_L] codes and their [BLOCK_L, P/32] scales for tl.dot_scaled)."""
+    h64 = i_h.to(tl.int64)
+    if W_FMT == 2:
+        if MX_NATIVE:
+            o_p2 = tl.arange(0, BLOCK_P // 2)
+            o_pb = tl.arange(0, BLOCK_P // 32)
+            b_w = tl.load(p_w + h64 * s_w_h + o_p2[:, None] * s_w_p + o_l[None, :])
+            b_s = tl.load(p_ws + h64 * s_ws_h + o_pb[None, :] * s_ws_p + o_l[:, None])
+            return b_w, b_s
+        # dequantize in registers: each packed byte is read for both of its nibbles (L1 hits)
+        b_byte = tl.load(p_w + h64 * s_w_h + (o_p // 2)[:, None] * s_w_p + o_l[None, :],
+                         mask=m_w, other=0).to(tl.int32)
+        b_code = tl.where((o_p % 2 == 0)[:, None], b_byte & 0xF, b_byte >> 4)
+        b_sc = tl.load(p_ws + h64 * s_ws_h + (o_p // 32)[:, None] * s_ws_p + o_l[None, :],
+                       mask=m_w, other=0)
+        b_w = (e2m1_to_f32(b_code) * e8m0_to_f32(b_sc)).to(DOT_TY)  # exact in bf16/fp16
+        return b_w, b_sc
+    b_w = tl.load(p_w + h64 * s_w_h + o_p[:, None] * s_w_p + o_l[None, :], mask=m_w, other=0.0)
+    if W_FMT == 1 and not ACT_FP8:
+        b_w = b_w.to(DOT_TY)  # e4m3 -> bf16/fp16 is exact
+    elif DOT_TY == tl.float32:
+        b_w = b_w.to(tl.float32)
+    return b_w, b_w
 
 
 @triton.jit
 def _bmm_program(
     pid, B, tokens_per_chunk, n_chunks,
     p_qn, s_qn_t, s_qn_h,
-    p_w, s_w_h, s_w_p,
-    p_q, s_q_t, s_q_h,
+    p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
+    p_q, s_q_t, s_q_h, p_qs, q_scale_value,
     P: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, ACT_FP8: tl.constexpr,
+    W_FP8_MAX: tl.constexpr, W_FP8_MIN_EXP: tl.constexpr, W_FP8_CODE: tl.constexpr,
+    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_FP8_MIN_EXP: tl.constexpr,
+    Q_SCALE_FROM_PTR: tl.constexpr, A_FMT: tl.constexpr,
     DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's tokens, as
-    tensor-core dots of [BLOCK_T, P] x [P, BLOCK_L] tiles (BLOCK_T >= 16)."""
+    tensor-core dots of [BLOCK_T, P] x [P, BLOCK_L] tiles (BLOCK_T >= 16).
+
+    W_FMT 0: weights in the activations' dtype. 1: FP8 weights with a per-tensor or per-head
+    scale, upcast in registers (ACT_FP8 False) or dotted against activations quantized to FP8
+    per (token, head) in the kernel (ACT_FP8 True). 2: MXFP4 weights, dequantized in registers
+    or (MX_NATIVE) fed to tl.dot_scaled.
+    """
     NL: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
+    DOT_TY: tl.constexpr = tl.float32 if DOT_FP32 else p_qn.dtype.element_ty
     i_c = pid % n_chunks
     i_hl = pid // n_chunks
     i_h = i_hl // NL
@@ -89,10 +148,13 @@ def _bmm_program(
     m_p = o_p < P
     m_l = o_l < L
     # [BLOCK_P, BLOCK_L]: this head's weight slice, read once for all of the chunk's tokens
-    p_wt = p_w + i_h.to(tl.int64) * s_w_h + o_p[:, None] * s_w_p + o_l[None, :]
-    b_w = tl.load(p_wt, mask=m_p[:, None] & m_l[None, :], other=0.0)
-    if DOT_FP32:
-        b_w = b_w.to(tl.float32)
+    b_w, b_ws = _load_w_tile(p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p, i_h, o_p, o_l,
+                             m_p[:, None] & m_l[None, :], W_FMT, MX_NATIVE, ACT_FP8, DOT_TY,
+                             BLOCK_P, BLOCK_L)
+    w_scale = 1.0
+    if W_FMT == 1:
+        w_scale = tl.load(p_ws + i_h * s_ws_h).to(tl.float32)
+    q_scale = _q_scale(p_qs, q_scale_value, Q_FP8, Q_SCALE_FROM_PTR)
 
     # the chunk's tokens; the last chunk's tail is masked (bounds stay scalar arithmetic)
     t_start = i_c * tokens_per_chunk
@@ -103,21 +165,29 @@ def _bmm_program(
         # [BLOCK_T, BLOCK_P]
         p_a = p_qn + o_t64[:, None] * s_qn_t + i_h * s_qn_h + o_p[None, :]
         b_a = tl.load(p_a, mask=m_t[:, None] & m_p[None, :], other=0.0)
-        if DOT_FP32:
-            b_a = b_a.to(tl.float32)
         # [BLOCK_T, BLOCK_L]
-        b_o = tl.dot(b_a, b_w)
+        if W_FMT == 1 and ACT_FP8:
+            # per (token, head): a = a_scale * fp8(a / a_scale), a_scale = amax / FP8_MAX
+            b_af = b_a.to(tl.float32)
+            amax = tl.max(tl.abs(b_af), axis=1)
+            a_scale = tl.where(amax > 0, tl.math.div_rn(amax, W_FP8_MAX), 1.0)
+            b_aq = round_to_fp8_grid(tl.math.div_rn(b_af, a_scale[:, None]), W_FP8_MAX,
+                                     W_FP8_MIN_EXP, W_FP8_CODE == 1)
+            if DOT_FP32:
+                b_o = tl.dot(b_aq, b_w.to(tl.float32))
+            else:
+                b_o = tl.dot(b_aq.to(p_w.dtype.element_ty), b_w)
+            b_o = b_o * a_scale[:, None]
+        elif W_FMT == 2 and MX_NATIVE:
+            b_o = tl.dot_scaled(b_a, None, A_FMT, b_w, b_ws, "e2m1")
+        else:
+            b_o = tl.dot(b_a.to(DOT_TY), b_w)
+        if W_FMT == 1:
+            b_o = b_o * w_scale
+        b_o = quantize_value(b_o, q_scale, Q_FP8, Q_FP8_MAX, Q_FP8_MIN_EXP)
         p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
         tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16),
                  mask=m_t[:, None] & m_l[None, :])
-
-
-@triton.jit
-def _to_cache(x, scale, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
-    """fp32 row values -> what the cache stores (exact saturating FP8 when KV_FP8 != 0)."""
-    if KV_FP8 != 0:
-        x = round_to_fp8_grid(tl.math.div_rn(x, scale), FP8_MAX, FP8_MIN_EXP, KV_FP8 == 1)
-    return x
 
 
 @triton.jit
@@ -166,48 +236,56 @@ def _cache_program(
         o_c = l0 + tl.arange(0, BLOCK_LC)
         m_c = o_c < L
         b_c = tl.load(p_kvc + t64 * s_kvc_t + o_c, mask=m_c, other=0.0).to(tl.float32)
-        b_c = _to_cache(b_c, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
+        b_c = quantize_value(b_c, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
         tl.store(p_row + o_c, cast_rne(b_c, cache_ty, FIX_BF16), mask=o_c < tl.minimum(n_store, L))
     b_k = b_k * b_cos + b_kp * (b_sin * sign)
-    b_k = _to_cache(b_k, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
+    b_k = quantize_value(b_k, scale, KV_FP8, FP8_MAX, FP8_MIN_EXP)
     tl.store(p_row + L + o_r, cast_rne(b_k, cache_ty, FIX_BF16), mask=(L + o_r) < n_store)
 
 
 @triton.jit(do_not_specialize=["B", "n_bmm", "n_rope", "tokens_per_chunk", "n_chunks", "num_slots",
-                               "max_pos", "scale_value"])
+                               "max_pos", "scale_value", "q_scale_value"])
 def mla_decode_prologue_kernel(
     p_qn, s_qn_t, s_qn_h,
     p_qp, s_qp_t, s_qp_h,
     p_kvc, s_kvc_t,
     p_kpe, s_kpe_t,
-    p_w, s_w_h, s_w_p,
+    p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
     p_pos, s_pos,
     p_cos, s_cos, p_sin, s_sin,
     p_slot, s_slot,
     p_scale, scale_value,
-    p_q, s_q_t, s_q_h,
+    p_q, s_q_t, s_q_h, p_qs, q_scale_value,
     p_cache, s_cache_b, s_cache_s,
     B, n_bmm, n_rope, tokens_per_chunk, n_chunks, max_pos, num_slots, block_size,
     H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr, ROPE_ROWS: tl.constexpr,
     IS_NEOX: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, DOT_FP32: tl.constexpr,
-    FIX_BF16: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr, SCALE_FROM_PTR: tl.constexpr,
+    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, ACT_FP8: tl.constexpr,
+    W_FP8_MAX: tl.constexpr, W_FP8_MIN_EXP: tl.constexpr, W_FP8_CODE: tl.constexpr,
+    Q_FP8: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_FP8_MIN_EXP: tl.constexpr,
+    Q_SCALE_FROM_PTR: tl.constexpr, A_FMT: tl.constexpr,
+    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Programs [0, n_bmm): BMM tiles; the next n_rope: q RoPE rows; the last B: cache rows."""
     pid = tl.program_id(0)
     if pid < n_bmm:
         _bmm_program(
             pid, B, tokens_per_chunk, n_chunks,
-            p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_q, s_q_t, s_q_h,
-            P, L, BLOCK_P, BLOCK_L, BLOCK_T, DOT_FP32, FIX_BF16,
+            p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
+            p_q, s_q_t, s_q_h, p_qs, q_scale_value,
+            P, L, BLOCK_P, BLOCK_L, BLOCK_T, W_FMT, MX_NATIVE, ACT_FP8,
+            W_FP8_MAX, W_FP8_MIN_EXP, W_FP8_CODE, Q_FP8, Q_FP8_MAX, Q_FP8_MIN_EXP,
+            Q_SCALE_FROM_PTR, A_FMT, DOT_FP32, FIX_BF16,
         )
     elif pid < n_bmm + n_rope:
         _rope_q_program(
             pid - n_bmm, B, max_pos,
             p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
-            p_q, s_q_t, s_q_h, H, R, L, BLOCK_R, ROPE_ROWS, IS_NEOX, FIX_BF16,
+            p_q, s_q_t, s_q_h, p_qs, q_scale_value, H, R, L, BLOCK_R, ROPE_ROWS, IS_NEOX,
+            Q_FP8, Q_FP8_MAX, Q_FP8_MIN_EXP, Q_SCALE_FROM_PTR, FIX_BF16,
         )
     else:
         _cache_program(
@@ -283,6 +361,26 @@ def _backend(device: torch.device) -> str:
     return "hip" if torch.version.hip is not None else "cuda"
 
 
+def _scale_args(scale, fallback: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    """(pointer argument, value argument, read-from-pointer) for a float/tensor/None scale."""
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0, True
+    return fallback, 1.0 if scale is None else float(scale), False
+
+
+def weight_path(args: checks.PrologueArgs) -> tuple[int, bool, bool]:
+    """(W_FMT, ACT_FP8, MX_NATIVE) for these arguments on their device's platform."""
+    w = args.w_uk_t
+    if isinstance(w, torch.Tensor):
+        return 0, False, False
+    if w.format == "fp8":
+        return 1, checks.resolve_fp8_activations(args), False
+    from fusemla import platform
+
+    info = platform.detect(args.q_nope.device)
+    return 2, False, platform.choose_mxfp4_path(info) == "dot_scaled"
+
+
 def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = None) -> None:
     """Launch the kernel on validated arguments, writing ``q`` and ``args.kv_cache``."""
     B, H, P, R, L = args.B, args.H, args.P, args.R, args.L
@@ -299,25 +397,37 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
 
     kv_cache = args.kv_cache
     kv_fp8, fp8_max, fp8_min_exp = _FP8_FORMATS.get(kv_cache.dtype, (0, 0.0, 0))
-    scale = args.kv_scale
-    scale_from_ptr = isinstance(scale, torch.Tensor)
-    p_scale = scale if scale_from_ptr else args.slot_mapping
-    scale_value = 1.0 if scale_from_ptr or scale is None else float(scale)
+    p_scale, scale_value, scale_from_ptr = _scale_args(args.kv_scale, args.slot_mapping)
+    q_fp8, q_fp8_max, q_fp8_min_exp = _FP8_FORMATS.get(q.dtype, (0, 0.0, 0))
+    p_qs, q_scale_value, q_scale_from_ptr = _scale_args(args.q_scale, args.slot_mapping)
     interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
 
-    qn, qp, kvc, kpe, w = args.q_nope, args.q_pe, args.kv_c, args.k_pe, args.w_uk_t
+    w_fmt, act_fp8, mx_native = weight_path(args)
+    w = args.w_uk_t
+    if w_fmt == 0:
+        w_data, p_ws, s_ws_h, s_ws_p = w, args.slot_mapping, 0, 0
+        w_code, w_max, w_min_exp = 0, 0.0, 0
+    else:
+        w_data, p_ws = w.data, w.scale
+        s_ws_h = w.scale.stride(0) if w.scale.numel() > 1 else 0
+        s_ws_p = w.scale.stride(1) if w.scale.dim() > 1 else 0
+        w_code, w_max, w_min_exp = _FP8_FORMATS.get(w_data.dtype, (0, 0.0, 0))
+        if mx_native and (cfg["BLOCK_P"] != P or L % cfg["BLOCK_L"] != 0):
+            mx_native = False  # tl.dot_scaled takes whole, unmasked tiles
+
+    qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     grid = (n_bmm + n_rope + B,)
     mla_decode_prologue_kernel[grid](
         qn, qn.stride(0), qn.stride(1),
         qp, qp.stride(0), qp.stride(1),
         kvc, kvc.stride(0),
         kpe, kpe.stride(0),
-        w, w.stride(0), w.stride(1),
+        w_data, w_data.stride(0), w_data.stride(1), p_ws, s_ws_h, s_ws_p,
         args.positions, args.positions.stride(0),
         args.cos_cache, args.cos_cache.stride(0), args.sin_cache, args.sin_cache.stride(0),
         args.slot_mapping, args.slot_mapping.stride(0),
         p_scale, scale_value,
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), q.stride(1), p_qs, q_scale_value,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         B, n_bmm, n_rope, tokens_per_chunk, n_chunks, args.cos_cache.shape[0],
         kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1],
@@ -325,7 +435,13 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
         BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
         BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"], ROPE_ROWS=cfg["ROPE_ROWS"],
         IS_NEOX=args.is_neox, KV_FP8=kv_fp8, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
-        SCALE_FROM_PTR=scale_from_ptr, DOT_FP32=interp, FIX_BF16=interp,
+        SCALE_FROM_PTR=scale_from_ptr,
+        W_FMT=w_fmt, MX_NATIVE=mx_native, ACT_FP8=act_fp8,
+        W_FP8_MAX=w_max, W_FP8_MIN_EXP=w_min_exp, W_FP8_CODE=w_code,
+        Q_FP8=q_fp8, Q_FP8_MAX=q_fp8_max, Q_FP8_MIN_EXP=q_fp8_min_exp,
+        Q_SCALE_FROM_PTR=q_scale_from_ptr,
+        A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
+        DOT_FP32=interp, FIX_BF16=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -338,21 +454,51 @@ def launch(args: checks.PrologueArgs, q: torch.Tensor, cfg: Optional[dict] = Non
 @torch.library.custom_op("fusemla::mla_decode_prologue", mutates_args=("q_out", "kv_cache"))
 def _prologue_op(
     q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-    w_uk_t: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    is_neox: bool, kv_scale_tensor: Optional[torch.Tensor], kv_scale_value: float,
-    q_out: torch.Tensor,
+    w_data: torch.Tensor, w_scale: Optional[torch.Tensor], w_format: str,
+    positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, is_neox: bool,
+    kv_scale_tensor: Optional[torch.Tensor], kv_scale_value: float,
+    q_scale_tensor: Optional[torch.Tensor], q_scale_value: float,
+    fp8_activations: int, q_out: torch.Tensor,
 ) -> None:
-    scale = kv_scale_tensor if kv_scale_tensor is not None else kv_scale_value
-    args = checks.validate(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
-                           kv_cache, slot_mapping, is_neox, scale, q_out)
+    if w_format:
+        from fusemla.quant import QuantizedWeight
+
+        w = QuantizedWeight(w_data, w_scale, w_format)
+    else:
+        w = w_data
+    kv_scale = kv_scale_tensor if kv_scale_tensor is not None else kv_scale_value
+    q_scale = q_scale_tensor if q_scale_tensor is not None else q_scale_value
+    args = checks.validate(q_nope, q_pe, kv_c, k_pe, w, positions, cos_cache, sin_cache,
+                           kv_cache, slot_mapping, is_neox, kv_scale, q_out, q_out.dtype,
+                           q_scale, None if fp8_activations < 0 else bool(fp8_activations))
     _run(args, q_out)
 
 
 @_prologue_op.register_fake
-def _(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
-      slot_mapping, is_neox, kv_scale_tensor, kv_scale_value, q_out) -> None:
+def _(q_nope, q_pe, kv_c, k_pe, w_data, w_scale, w_format, positions, cos_cache, sin_cache,
+      kv_cache, slot_mapping, is_neox, kv_scale_tensor, kv_scale_value, q_scale_tensor,
+      q_scale_value, fp8_activations, q_out) -> None:
     return None
+
+
+def _call_op(args: checks.PrologueArgs, q: torch.Tensor) -> None:
+    """The same launch through the registered op (what torch.compile traces)."""
+    w = args.w_uk_t
+    w_data, w_scale, w_format = (w, None, "") if isinstance(w, torch.Tensor) else (
+        w.data, w.scale, w.format)
+
+    def split(scale):
+        if isinstance(scale, torch.Tensor):
+            return scale, 1.0
+        return None, 1.0 if scale is None else float(scale)
+
+    kv_t, kv_v = split(args.kv_scale)
+    q_t, q_v = split(args.q_scale)
+    act = -1 if args.fp8_activations is None else int(args.fp8_activations)
+    _prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, w_data, w_scale, w_format,
+                 args.positions, args.cos_cache, args.sin_cache, args.kv_cache,
+                 args.slot_mapping, args.is_neox, kv_t, kv_v, q_t, q_v, act, q)
 
 
 def _run(args: checks.PrologueArgs, q: torch.Tensor) -> None:
@@ -377,7 +523,7 @@ def mla_decode_prologue(
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
-    w_uk_t: torch.Tensor,
+    w_uk_t: Union[torch.Tensor, "QuantizedWeight"],
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
@@ -387,6 +533,9 @@ def mla_decode_prologue(
     is_neox: bool = False,
     kv_scale: Union[float, torch.Tensor, None] = None,
     out: Optional[torch.Tensor] = None,
+    q_out_dtype: Optional[torch.dtype] = None,
+    q_scale: Union[float, torch.Tensor, None] = None,
+    fp8_activations: Optional[bool] = None,
 ) -> torch.Tensor:
     """Fused MLA decode prologue: ``q = [q_nope @ W_UK_T[h], rope(q_pe)]`` and the cache write.
 
@@ -395,7 +544,11 @@ def mla_decode_prologue(
     - ``q_nope [B, H, P]``, ``q_pe [B, H, R]``: bf16 or fp16; any strides, last dim contiguous
       (slices of the q_b_proj output ``[B, H, P + R]`` work as they are).
     - ``kv_c [B, L]``: the normalized latent; ``k_pe [B, R]`` or ``[B, 1, R]``, not yet rotated.
-    - ``w_uk_t [H, P, L]``: the absorbed key up-projection, in the activations' dtype.
+    - ``w_uk_t [H, P, L]``: the absorbed key up-projection, in the activations' dtype, or a
+      :class:`fusemla.quant.QuantizedWeight` (FP8 with a per-tensor/per-head scale, or MXFP4).
+      FP8 weights run with bf16/fp16 activations (upcast in registers) or, when
+      ``fp8_activations`` is True (None: :func:`fusemla.platform.choose_fp8_activations`),
+      with activations quantized to FP8 per (token, head) in the kernel.
     - ``positions [B]`` (int32/int64); ``cos_cache``, ``sin_cache [max_position, R/2]``
       (fp32/bf16/fp16; :func:`fusemla.rope.split_cos_sin_cache` splits an engine's cache).
     - ``kv_cache [num_blocks, block_size, L + R]``: bf16/fp16, or float8_e4m3fn/float8_e4m3fnuz
@@ -406,25 +559,24 @@ def mla_decode_prologue(
       ``kv_scale`` is ignored for a bf16/fp16 cache.
     - ``slot_mapping [B]`` (int32/int64): a negative slot (or one past the cache) writes nothing.
     - ``is_neox``: False = interleaved pairs (2i, 2i+1), DeepSeek's; True = pairs (i, i + R/2).
+    - ``q_out_dtype``: None (the activations' dtype) or an FP8 dtype, with ``q_scale``: both
+      halves of q are stored as ``saturate(q / q_scale)``.
 
-    Returns ``q [B, H, L + R]`` in the activations' dtype (``out`` if given):
-    ``q[..., :L] = q_nope @ w_uk_t[h]`` (fp32 accumulation, one rounding) and
-    ``q[..., L:] = rope(q_pe)``. Positions outside the RoPE cache are clamped to its ends.
+    Returns ``q [B, H, L + R]`` (``out`` if given): ``q[..., :L] = q_nope @ w_uk_t[h]`` (fp32
+    accumulation, one rounding) and ``q[..., L:] = rope(q_pe)``. Positions outside the RoPE
+    cache are clamped to its ends.
 
     Raises :class:`~fusemla.errors.FuseMLAValueError` / :class:`~fusemla.errors.FuseMLATypeError`
     on bad input, before anything is launched or written. No device sync unless
     ``FUSEMLA_DEBUG_CHECKS=1``.
     """
     args = checks.validate(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
-                           kv_cache, slot_mapping, is_neox, kv_scale, out)
-    q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R))
+                           kv_cache, slot_mapping, is_neox, kv_scale, out, q_out_dtype,
+                           q_scale, fp8_activations)
+    q = out if out is not None else q_nope.new_empty((args.B, args.H, args.L + args.R),
+                                                     dtype=args.q_dtype)
     if torch.compiler.is_compiling():
-        scale = args.kv_scale
-        scale_t = scale if isinstance(scale, torch.Tensor) else None
-        scale_v = 1.0 if scale_t is not None or scale is None else scale
-        _prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, args.w_uk_t, args.positions,
-                     args.cos_cache, args.sin_cache, args.kv_cache, args.slot_mapping,
-                     bool(is_neox), scale_t, float(scale_v), q)
+        _call_op(args, q)
     else:
         _run(args, q)
     return q

@@ -74,3 +74,29 @@ def cast_rne(x, ty: tl.constexpr, FIX_BF16: tl.constexpr):
         if ty == tl.bfloat16:
             x = round_to_bf16_grid(x)
     return x.to(ty)
+
+
+@triton.jit
+def quantize_value(x, scale, FMT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 ``x`` -> the fp32 value an output of format FMT stores: unchanged for FMT == 0,
+    else ``saturate(x / scale)`` on the e4m3 grid (FMT 1: e4m3fn, 2: e4m3fnuz), IEEE division."""
+    if FMT != 0:
+        x = round_to_fp8_grid(tl.math.div_rn(x, scale), FP8_MAX, MIN_EXP, FMT == 1)
+    return x
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """4-bit e2m1 codes (sign, 2 exponent bits, 1 mantissa bit) -> fp32 in {0, ±0.5, ..., ±6}."""
+    mag = code & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    pow2 = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2**(e - 1), for e >= 1
+    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * pow2)
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def e8m0_to_f32(s):
+    """e8m0 scale bytes -> 2**(s - 127) (s = 0 reads as 0: the quantizer's all-zero blocks)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
