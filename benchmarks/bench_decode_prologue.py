@@ -163,6 +163,8 @@ def main() -> int:
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--no-quant", action="store_true", help="skip the FP8/MXFP4 weight rows")
+    ap.add_argument("--only-fused", action="store_true",
+                    help="time only the fused kernel (bf16 and quantized weights)")
     ap.add_argument("--sweep", action="store_true", help="also sweep fused tile configs")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
@@ -209,7 +211,9 @@ def main() -> int:
         impls = {"fused": [fused_call(x) for x in layers],
                  "unfused": [(lambda x=x: mla_decode_prologue_ref(
                      *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]}
-        if not a.no_compile:
+        if a.only_fused:
+            del impls["unfused"]
+        if not a.no_compile and not a.only_fused:
             impls["unfused_compiled"] = [(lambda x=x: compiled_ref(
                 *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]
         variants = {}
@@ -223,7 +227,7 @@ def main() -> int:
                     failures.append((kv_name, H, B, p))
                     print(f"!! H={H} B={B}: {p}")
                 variants[label] = [variant_call(x, label) for x in layers]
-        if kv_name == "bf16":
+        if kv_name == "bf16" and not a.only_fused:
             impls["cublas_bmm_only"] = [(lambda x=x: torch.bmm(
                 x.q_nope.transpose(0, 1), x.w_uk_t,
                 out=x.extra.setdefault("bmm_out", torch.empty(H, B, dims["L"], dtype=torch.bfloat16,

@@ -66,12 +66,15 @@ def _check_cache_equal(cache, cache_ref, gpu: bool):
         assert bool((close | both_nan).all())
 
 
-def _check_q_vs_ref(q, q_ref, dtype):
-    """Same quantization, different accumulation order: within ~1 output ulp."""
+def _check_q_vs_ref(q, q_ref, dtype, fp8_dot=False):
+    """Same quantization, different accumulation order: within ~1 output ulp. FP8 tensor-core
+    dots on Hopper accumulate with fewer mantissa bits than fp32: allow 2**-8 of the largest
+    value there."""
     qf, rf = q.float().cpu(), q_ref.float().cpu()
     assert not torch.isnan(qf).any()
     ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
-    bound = rf.abs() * ulp + 1e-2 * ulp * rf.abs().max()
+    slack = 2.0 ** -8 if fp8_dot and q.device.type == "cuda" else 1e-2 * ulp
+    bound = rf.abs() * ulp + slack * rf.abs().max()
     assert bool(((qf - rf).abs() <= bound).all()), float((qf - rf).abs().max())
 
 
@@ -85,7 +88,7 @@ def test_fp8_weights(device, dtype, fmt, act, B):
                       pad_fraction=0.25 if B > 1 else 0.0, device=device, generator=g)
     qw = _quantize(inp.w_uk_t, fmt)
     q, q_ref, cache_ref, _ = _run(inp, qw, fp8_activations=(act == "fp8-act"))
-    _check_q_vs_ref(q, q_ref, dtype)
+    _check_q_vs_ref(q, q_ref, dtype, fp8_dot=(act == "fp8-act"))
     _check_cache_equal(inp.kv_cache, cache_ref, device == "cuda")
     q64, _ = prologue_model_f64(inp, False)
     L = inp.kv_c.shape[1]

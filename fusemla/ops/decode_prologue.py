@@ -91,27 +91,31 @@ def _load_w_tile(
     """This head's [P, BLOCK_L] weight slice, ready for tl.dot (or, for native MXFP4, the
     packed [P/2, BLOCK_L] codes and their [BLOCK_L, P/32] scales for tl.dot_scaled)."""
     h64 = i_h.to(tl.int64)
+    # one return statement: compiled Triton wants the same return types on every path
     if W_FMT == 2:
         if MX_NATIVE:
             o_p2 = tl.arange(0, BLOCK_P // 2)
             o_pb = tl.arange(0, BLOCK_P // 32)
             b_w = tl.load(p_w + h64 * s_w_h + o_p2[:, None] * s_w_p + o_l[None, :])
             b_s = tl.load(p_ws + h64 * s_ws_h + o_pb[None, :] * s_ws_p + o_l[:, None])
-            return b_w, b_s
-        # dequantize in registers: each packed byte is read for both of its nibbles (L1 hits)
-        b_byte = tl.load(p_w + h64 * s_w_h + (o_p // 2)[:, None] * s_w_p + o_l[None, :],
-                         mask=m_w, other=0).to(tl.int32)
-        b_code = tl.where((o_p % 2 == 0)[:, None], b_byte & 0xF, b_byte >> 4)
-        b_sc = tl.load(p_ws + h64 * s_ws_h + (o_p // 32)[:, None] * s_ws_p + o_l[None, :],
-                       mask=m_w, other=0)
-        b_w = (e2m1_to_f32(b_code) * e8m0_to_f32(b_sc)).to(DOT_TY)  # exact in bf16/fp16
-        return b_w, b_sc
-    b_w = tl.load(p_w + h64 * s_w_h + o_p[:, None] * s_w_p + o_l[None, :], mask=m_w, other=0.0)
-    if W_FMT == 1 and not ACT_FP8:
-        b_w = b_w.to(DOT_TY)  # e4m3 -> bf16/fp16 is exact
-    elif DOT_TY == tl.float32:
-        b_w = b_w.to(tl.float32)
-    return b_w, b_w
+        else:
+            # dequantize in registers: each packed byte is read for both nibbles (L1 hits)
+            b_byte = tl.load(p_w + h64 * s_w_h + (o_p // 2)[:, None] * s_w_p + o_l[None, :],
+                             mask=m_w, other=0).to(tl.int32)
+            b_code = tl.where((o_p % 2 == 0)[:, None], b_byte & 0xF, b_byte >> 4)
+            b_sc = tl.load(p_ws + h64 * s_ws_h + (o_p // 32)[:, None] * s_ws_p + o_l[None, :],
+                           mask=m_w, other=0)
+            b_w = (e2m1_to_f32(b_code) * e8m0_to_f32(b_sc)).to(DOT_TY)  # exact in bf16/fp16
+            b_s = b_w
+    else:
+        b_w = tl.load(p_w + h64 * s_w_h + o_p[:, None] * s_w_p + o_l[None, :], mask=m_w,
+                      other=0.0)
+        if W_FMT == 1 and not ACT_FP8:
+            b_w = b_w.to(DOT_TY)  # e4m3 -> bf16/fp16 is exact
+        elif DOT_TY == tl.float32:
+            b_w = b_w.to(tl.float32)
+        b_s = b_w
+    return b_w, b_s
 
 
 @triton.jit
