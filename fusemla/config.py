@@ -13,7 +13,8 @@
     quantize them in the kernel per token and head and run the FP8 tensor-core dot; ``off``
     (also ``0``/``false``/``no``): keep bf16 activations and upcast the weights in registers;
     ``auto``: FP8 activations when the chip has FP8 tensor cores and the batch has at least
-    :data:`fusemla.platform.FP8_ACT_MIN_BATCH` tokens. Read on every call
+    :data:`fusemla.platform.FP8_ACT_MIN_BATCH` tokens (None, i.e. never, since they lost to
+    bf16 activations at every shape measured on the H200). Read on every call
     (:func:`fusemla.platform.choose_fp8_activations`); any other value raises
     :class:`~fusemla.errors.FuseMLAValueError`. ``on`` is obeyed even on chips without FP8
     tensor cores (it is meant for experiments).

@@ -51,9 +51,12 @@ BACKENDS = ("cuda", "rocm", "interpreter", "cpu")
 _BACKEND_ALIASES = {"hip": "rocm"}
 
 #: smallest number of tokens for which ``auto`` picks FP8 activations on chips with FP8 tensor
-#: cores. A placeholder until the H200 measurements set it; read at call time, so it can be
-#: patched.
-FP8_ACT_MIN_BATCH: int = 64
+#: cores; None: never. Measured on the H200 (benchmarks/results/h200_decode_prologue*.json):
+#: FP8 activations were 1.0-2.3x slower than bf16 activations with the same FP8 weights at
+#: every H in {16, 128} and B in 1..512 (the in-kernel quantization and the second scale cost
+#: more than the narrower dot saves), so auto keeps bf16 activations. Read at call time, so it
+#: can be patched; chips measured later can set their own threshold here.
+FP8_ACT_MIN_BATCH: int | None = None
 
 #: MI300 family: FP8 MFMA in the FNUZ formats
 _GFX_FNUZ = frozenset({"gfx940", "gfx941", "gfx942"})
@@ -287,7 +290,7 @@ def choose_fp8_activations(info: PlatformInfo, num_tokens: int) -> bool:
     tensor-core dot. False: activations stay bf16 and the weights are upcast in registers.
     ``FUSEMLA_FP8_ACTIVATIONS`` = "on" / "off" forces the answer (even on a chip without FP8
     tensor cores); "auto" (default) gives ``info.native_fp8 and num_tokens >=
-    FP8_ACT_MIN_BATCH``.
+    FP8_ACT_MIN_BATCH`` (never while that is None, as measured on the H200).
 
     Raises:
         FuseMLAValueError: ``num_tokens`` is negative, or the environment variable holds an
@@ -307,7 +310,7 @@ def choose_fp8_activations(info: PlatformInfo, num_tokens: int) -> bool:
     mode = config.fp8_activations_mode()
     if mode != "auto":
         return mode == "on"
-    return info.native_fp8 and n >= FP8_ACT_MIN_BATCH
+    return FP8_ACT_MIN_BATCH is not None and info.native_fp8 and n >= FP8_ACT_MIN_BATCH
 
 
 def choose_mxfp4_path(info: PlatformInfo) -> str:
@@ -397,7 +400,9 @@ def report_lines(info: PlatformInfo) -> list[str]:
     except FuseMLAValueError as exc:
         path = f"error: {exc}"
     lines.append(f"  MXFP4 weights: {path}")
-    lines.append(f"  auto FP8-activation threshold: B >= {FP8_ACT_MIN_BATCH} on native-FP8 chips")
+    threshold = ("never (bf16 activations won at every shape measured on the H200)"
+                 if FP8_ACT_MIN_BATCH is None else f"B >= {FP8_ACT_MIN_BATCH} on native-FP8 chips")
+    lines.append(f"  auto FP8 activations: {threshold}")
     lines.append("  env: " + _env_line(config.FP8_ACTIVATIONS_ENV, config.fp8_activations_mode))
     lines.append("  env: " + _env_line(config.MXFP4_PATH_ENV, config.mxfp4_path_mode))
     return lines

@@ -136,8 +136,28 @@ def test_platform_from_rejects_device_name_type():
 # --------------------------------------------------------------------------------------------
 
 
+#: the shipped threshold, read before the fixture below replaces it
+SHIPPED_FP8_ACT_MIN_BATCH = plat.FP8_ACT_MIN_BATCH
+
+
+@pytest.fixture(autouse=True)
+def _threshold_64(monkeypatch):
+    """The auto rule's tests use a threshold of 64 (the shipped value is None: never)."""
+    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", 64)
+
+
 @pytest.mark.parametrize("num_tokens", [0, 1, 8, 63, 64, 65, 512, 4096])
-def test_fp8_activations_auto(num_tokens):
+def test_fp8_activations_auto_default_is_bf16(num_tokens, monkeypatch):
+    # measured on the H200: FP8 activations never won, so auto keeps bf16 activations
+    assert SHIPPED_FP8_ACT_MIN_BATCH is None
+    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", SHIPPED_FP8_ACT_MIN_BATCH)
+    for info in (H200(), platform_from("cuda", "sm_100"), platform_from("rocm", "gfx942")):
+        assert choose_fp8_activations(info, num_tokens) is False
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 8, 63, 64, 65, 512, 4096])
+def test_fp8_activations_auto_with_a_threshold(num_tokens, monkeypatch):
+    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", 64)
     big = num_tokens >= plat.FP8_ACT_MIN_BATCH
     assert choose_fp8_activations(H200(), num_tokens) is big
     assert choose_fp8_activations(platform_from("cuda", "sm_100"), num_tokens) is big
