@@ -183,7 +183,7 @@ def _rope_magnitude(x, cos, sin, is_neox: bool):
     return torch.stack([m, m], dim=-1).flatten(-2)
 
 
-def _fp8_ordinal(codes):
+def fp8_ordinal(codes):
     """FP8 bytes -> integers in value order (+0 and -0 both 0; adjacent values differ by 1).
 
     Valid for both e4m3 formats: sign-magnitude with the sign in bit 7.
@@ -293,7 +293,7 @@ def compare(inp, q, q_ref, cache, cache_ref, cache_before, *, is_neox: bool = Fa
         scale = _scale_value(inp.kv_scale)
         if torch.isnan(got.float()).any():
             problems.append("cache: NaN codes in written rows (not written?)")
-        step = (_fp8_ordinal(got) - _fp8_ordinal(want)).abs()
+        step = (fp8_ordinal(got) - fp8_ordinal(want)).abs()
         row_ok = (step <= 1).all(dim=-1) & ~torch.isnan(got.float()).any(dim=-1)
         m["fp8_codes_equal"] = int((step == 0).sum())
         m["fp8_codes_off_by_one"] = int((step == 1).sum())

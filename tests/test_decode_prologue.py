@@ -13,7 +13,7 @@ import torch
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.ops.decode_prologue import mla_decode_prologue
 from fusemla.reference import mla_decode_prologue_ref, quantize_fp8
-from fusemla.testing import DEEPSEEK_V3, _fp8_ordinal, make_inputs, prologue_model_f64
+from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, make_inputs, prologue_model_f64
 
 SMALL = dict(P=32, R=16, L=64)
 FULL = dict(P=DEEPSEEK_V3["P"], R=DEEPSEEK_V3["R"], L=DEEPSEEK_V3["L"])
@@ -79,7 +79,7 @@ def _check_cache(inp, cache, cache_ref, cache_before, rows64, is_neox):
         exact = quantize_fp8(inp.kv_c.cpu()[valid].float(), _scale_value(inp.kv_scale), cache.dtype)
         assert torch.equal(got[:, :L].view(torch.uint8), exact.view(torch.uint8))
         # the rope part: same bytes as the reference's cast, or (FMA on the GPU) one FP8 step away
-        step = (_fp8_ordinal(got[:, L:]) - _fp8_ordinal(want[:, L:])).abs()
+        step = (fp8_ordinal(got[:, L:]) - fp8_ordinal(want[:, L:])).abs()
         assert int(step.max()) <= (0 if inp.q_nope.device.type == "cpu" else 1)
         assert not torch.isnan(got.float()).any()
         deq = got.float() * _scale_value(inp.kv_scale)

@@ -15,7 +15,7 @@ from fusemla.errors import FuseMLAValueError
 from fusemla.ops.decode_prologue import mla_decode_prologue
 from fusemla.quant import QuantizedWeight, quantize_fp8_weight, quantize_mxfp4_weight
 from fusemla.reference import mla_decode_prologue_ref
-from fusemla.testing import DEEPSEEK_V3, _fp8_ordinal, make_inputs, prologue_model_f64
+from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, make_inputs, prologue_model_f64
 
 FP8 = torch.float8_e4m3fn
 # relative L2 error of q[..., :L] vs the bf16-weight float64 model, per weight format
@@ -58,7 +58,7 @@ def _check_cache_equal(cache, cache_ref, gpu: bool):
     a = cache.reshape(-1, cache.shape[-1]).cpu()
     b = cache_ref.reshape(-1, cache.shape[-1]).cpu()
     if cache.element_size() == 1:
-        step = (_fp8_ordinal(a) - _fp8_ordinal(b)).abs()
+        step = (fp8_ordinal(a) - fp8_ordinal(b)).abs()
         assert int(step.max()) <= (1 if gpu else 0)
     else:
         both_nan = torch.isnan(a.float()) & torch.isnan(b.float())
@@ -133,7 +133,7 @@ def test_fp8_query_output(device, weights, scale_kind):
                                   q_scale=scale_arg)
     assert q.dtype == FP8
     assert not torch.isnan(q.float()).any()
-    step = (_fp8_ordinal(q.cpu()) - _fp8_ordinal(q_ref.cpu())).abs()
+    step = (fp8_ordinal(q.cpu()) - fp8_ordinal(q_ref.cpu())).abs()
     assert int(step.max()) <= 1 and float((step > 0).float().mean()) < 0.01
     _check_cache_equal(inp.kv_cache, cache_ref, device == "cuda")
     # both halves are scaled: dequantized, q is close to the unquantized bf16 query
@@ -161,3 +161,26 @@ def test_quantized_weight_errors(device):
     args[4] = qw
     with pytest.raises(FuseMLAValueError, match=r"q_scale.*None"):
         mla_decode_prologue(*args, q_out_dtype=FP8)
+
+
+def test_quantized_weight_and_fp8_query_under_torch_compile(device):
+    """The custom op carries a QuantizedWeight and FP8 q output through fullgraph compile."""
+    g = torch.Generator().manual_seed(21)
+    inp = make_inputs(4, **_dims(device, 2), device=device, generator=g)
+    qw = _quantize(inp.w_uk_t, "fp8-head")
+    args = list(inp.args())
+    args[4] = qw
+    q_scale = torch.tensor([0.01], device=device)
+    cache_eager = inp.kv_cache.clone()
+    eager_args = list(args)
+    eager_args[8] = cache_eager
+    q_eager = mla_decode_prologue(*eager_args, q_out_dtype=FP8, q_scale=q_scale,
+                                  fp8_activations=False)
+
+    def fn(*a):
+        return mla_decode_prologue(*a, q_out_dtype=FP8, q_scale=q_scale, fp8_activations=False)
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    q = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    assert torch.equal(q.view(torch.uint8), q_eager.view(torch.uint8))
+    assert torch.equal(inp.kv_cache.view(torch.uint8), cache_eager.view(torch.uint8))

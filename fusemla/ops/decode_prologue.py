@@ -1,6 +1,6 @@
 """The fused MLA decode prologue: absorbed W_UK BMM + RoPE + 576-wide concat + paged KV-cache write.
 
-One launch, one flat grid with two kinds of program:
+One launch, one flat grid with three kinds of program:
 
 * BMM programs, ``H * cdiv(L, BLOCK_L) * n_chunks`` of them. Program (h, l-tile, chunk) loads its
   ``[P, BLOCK_L]`` slice of ``W_UK_T[h]`` once, then walks its chunk of tokens ``BLOCK_T`` at a
@@ -30,12 +30,12 @@ import triton.language as tl
 
 from fusemla import config
 from fusemla.ops import checks
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fusemla.quant import QuantizedWeight
 from fusemla.ops.triton_helpers import (
     cast_rne, e2m1_to_f32, e8m0_to_f32, quantize_value, rope_indices, round_to_fp8_grid,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fusemla.quant import QuantizedWeight
 
 # --------------------------------------------------------------------------------------------
 # Kernel
@@ -306,7 +306,7 @@ def mla_decode_prologue_kernel(
 # Launch configuration
 # --------------------------------------------------------------------------------------------
 
-_FP8_FORMATS = {  # cache dtype -> (KV_FP8 code, max, smallest normal exponent)
+_FP8_FORMATS = {  # FP8 dtype (cache, weight or q) -> (format code, max, smallest normal exponent)
     torch.float8_e4m3fn: (1, 448.0, -6),
     torch.float8_e4m3fnuz: (2, 240.0, -7),
 }
