@@ -18,8 +18,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - the CLI imports torch only when a command needs it
+    from fusemla.testing import Comparison
 
 #: dims for the interpreter run (no GPU): small enough to finish in about a second
 SMALL_DIMS = {"H": 4, "P": 32, "R": 16, "L": 64}
