@@ -156,12 +156,12 @@ REL_TOL = {"bfloat16": 8e-3, "float16": 1e-3}
 FP8_REL_TOL = 2.0 ** -4
 
 
-def _rel_err(x, ref) -> float:
+def rel_err(x, ref) -> float:
     x, ref = x.double().cpu(), ref.double().cpu()
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _scale_value(scale) -> float:
+def scale_value(scale) -> float:
     import torch
 
     if isinstance(scale, torch.Tensor):
@@ -259,8 +259,8 @@ def compare(inp, q, q_ref, cache, cache_ref, cache_before, *, is_neox: bool = Fa
                         f"than 1 ulp (max |fused - ref| = {m['q_max_abs_diff']:.3g})")
     tol = REL_TOL.get(str(dtype).replace("torch.", ""), 8e-3)
     for part, sl in (("nope", slice(0, L)), ("rope", slice(L, L + R))):
-        m[f"q_rel_{part}"] = _rel_err(qc[..., sl], q64[..., sl])
-        m[f"q_rel_{part}_ref"] = _rel_err(qr[..., sl], q64[..., sl])
+        m[f"q_rel_{part}"] = rel_err(qc[..., sl], q64[..., sl])
+        m[f"q_rel_{part}_ref"] = rel_err(qr[..., sl], q64[..., sl])
         if not m[f"q_rel_{part}"] < tol:
             problems.append(f"q[..., {part}]: relative L2 error vs float64 "
                             f"{m[f'q_rel_{part}']:.3g} >= {tol:g}")
@@ -290,7 +290,7 @@ def compare(inp, q, q_ref, cache, cache_ref, cache_before, *, is_neox: bool = Fa
     got, want = flat[slots], flat_ref[slots]
     ref_rows = rows64[valid]
     if fp8:
-        scale = _scale_value(inp.kv_scale)
+        scale = scale_value(inp.kv_scale)
         if torch.isnan(got.float()).any():
             problems.append("cache: NaN codes in written rows (not written?)")
         step = (fp8_ordinal(got) - fp8_ordinal(want)).abs()
@@ -299,7 +299,7 @@ def compare(inp, q, q_ref, cache, cache_ref, cache_before, *, is_neox: bool = Fa
         m["fp8_codes_off_by_one"] = int((step == 1).sum())
         m["fp8_codes_total"] = int(step.numel())
         fmax = torch.finfo(cache.dtype).max * scale
-        m["cache_rel"] = _rel_err(got.float() * scale, ref_rows.clamp(-fmax, fmax))
+        m["cache_rel"] = rel_err(got.float() * scale, ref_rows.clamp(-fmax, fmax))
         cache_tol = FP8_REL_TOL
     else:
         k_pe = inp.k_pe.reshape(B, -1)
@@ -308,7 +308,7 @@ def compare(inp, q, q_ref, cache, cache_ref, cache_before, *, is_neox: bool = Fa
         ok = _within_ulp(got, want, cache.dtype, slack)
         ok[:, :L] = _bits(got[:, :L]) == _bits(want[:, :L])  # the latent part is a plain copy
         row_ok = ok.all(dim=-1)
-        m["cache_rel"] = _rel_err(got, ref_rows)
+        m["cache_rel"] = rel_err(got, ref_rows)
         cache_tol = REL_TOL.get(str(cache.dtype).replace("torch.", ""), 8e-3)
     m["rows_agree"] = int(row_ok.sum())
     n_bad_rows = int((~row_ok).sum())

@@ -13,7 +13,9 @@ import torch
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.ops.decode_prologue import mla_decode_prologue
 from fusemla.reference import mla_decode_prologue_ref, quantize_fp8
-from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, make_inputs, prologue_model_f64
+from fusemla.testing import (
+    DEEPSEEK_V3, fp8_ordinal, make_inputs, prologue_model_f64, rel_err, scale_value,
+)
 
 SMALL = dict(P=32, R=16, L=64)
 FULL = dict(P=DEEPSEEK_V3["P"], R=DEEPSEEK_V3["R"], L=DEEPSEEK_V3["L"])
@@ -28,11 +30,6 @@ FP8 = torch.float8_e4m3fn
 
 def _dims(device: str, H: int) -> dict:
     return dict(H=H, **(FULL if device == "cuda" else SMALL))
-
-
-def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _valid_slots(slot_mapping: torch.Tensor, n_slots: int) -> torch.Tensor:
@@ -76,17 +73,17 @@ def _check_cache(inp, cache, cache_ref, cache_before, rows64, is_neox):
     got, want = flat[slots], flat_ref[slots]
     if cache.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         # the latent part is a pure scaled copy: byte-equal to torch's saturating cast
-        exact = quantize_fp8(inp.kv_c.cpu()[valid].float(), _scale_value(inp.kv_scale), cache.dtype)
+        exact = quantize_fp8(inp.kv_c.cpu()[valid].float(), scale_value(inp.kv_scale), cache.dtype)
         assert torch.equal(got[:, :L].view(torch.uint8), exact.view(torch.uint8))
         # the rope part: same bytes as the reference's cast, or (FMA on the GPU) one FP8 step away
         step = (fp8_ordinal(got[:, L:]) - fp8_ordinal(want[:, L:])).abs()
         assert int(step.max()) <= (0 if inp.q_nope.device.type == "cpu" else 1)
         assert not torch.isnan(got.float()).any()
-        deq = got.float() * _scale_value(inp.kv_scale)
+        deq = got.float() * scale_value(inp.kv_scale)
         ref64 = rows64[valid]
-        fmax = torch.finfo(cache.dtype).max * _scale_value(inp.kv_scale)
+        fmax = torch.finfo(cache.dtype).max * scale_value(inp.kv_scale)
         err = (deq.double() - ref64.clamp(-fmax, fmax)).abs()
-        assert bool((err <= ref64.abs().clamp(-fmax, fmax) * 2 ** -4 + 2e-9 + 2 ** -9 * _scale_value(inp.kv_scale)).all())
+        assert bool((err <= ref64.abs().clamp(-fmax, fmax) * 2 ** -4 + 2e-9 + 2 ** -9 * scale_value(inp.kv_scale)).all())
     else:
         assert not torch.isnan(got.float()).any()
         # latent part: exact copy
@@ -94,13 +91,7 @@ def _check_cache(inp, cache, cache_ref, cache_before, rows64, is_neox):
         # rope part: one ulp, plus fp32 rounding under cancellation where the GPU contracts FMAs
         atol = 0.0 if inp.q_nope.device.type == "cpu" else 1e-6
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=ULP[cache.dtype])
-        assert _rel_err(got, rows64[valid]) < REL_TOL[cache.dtype]
-
-
-def _scale_value(scale) -> float:
-    if isinstance(scale, torch.Tensor):
-        return float(scale.cpu())
-    return 1.0 if scale is None else float(scale)
+        assert rel_err(got, rows64[valid]) < REL_TOL[cache.dtype]
 
 
 def _check_q(inp, q, q_ref, q64):
@@ -108,8 +99,8 @@ def _check_q(inp, q, q_ref, q64):
     L = inp.kv_c.shape[1]
     assert q.dtype == dtype and q.shape == q64.shape
     assert not torch.isnan(q.float()).any(), "some of q was not written"
-    assert _rel_err(q[..., :L], q64[..., :L]) < REL_TOL[dtype]
-    assert _rel_err(q[..., L:], q64[..., L:]) < REL_TOL[dtype]
+    assert rel_err(q[..., :L], q64[..., :L]) < REL_TOL[dtype]
+    assert rel_err(q[..., L:], q64[..., L:]) < REL_TOL[dtype]
     torch.testing.assert_close(q.float().cpu(), q_ref.float().cpu(), atol=1e-3,
                                rtol=ULP[dtype])
 

@@ -15,7 +15,7 @@ from fusemla.errors import FuseMLAValueError
 from fusemla.ops.decode_prologue import mla_decode_prologue
 from fusemla.quant import QuantizedWeight, quantize_fp8_weight, quantize_mxfp4_weight
 from fusemla.reference import mla_decode_prologue_ref
-from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, make_inputs, prologue_model_f64
+from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, make_inputs, prologue_model_f64, rel_err
 
 FP8 = torch.float8_e4m3fn
 # relative L2 error of q[..., :L] vs the bf16-weight float64 model, per weight format
@@ -26,11 +26,6 @@ def _dims(device: str, H: int) -> dict:
     if device == "cuda":
         return dict(H=H, P=DEEPSEEK_V3["P"], R=DEEPSEEK_V3["R"], L=DEEPSEEK_V3["L"])
     return dict(H=H, P=64, R=16, L=64)  # P = 64: two MXFP4 scale blocks per column
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
@@ -93,8 +88,8 @@ def test_fp8_weights(device, dtype, fmt, act, B):
     q64, _ = prologue_model_f64(inp, False)
     L = inp.kv_c.shape[1]
     tol = FORMAT_TOL["fp8-act" if act == "fp8-act" else "fp8"]
-    assert _rel(q[..., :L], q64[..., :L]) < tol
-    assert _rel(q[..., L:], q64[..., L:]) < 8e-3  # RoPE half is untouched by the weight format
+    assert rel_err(q[..., :L], q64[..., :L]) < tol
+    assert rel_err(q[..., L:], q64[..., L:]) < 8e-3  # RoPE half is untouched by the weight format
 
 
 @pytest.mark.parametrize("path", ["dequant", "dot_scaled"])
@@ -117,7 +112,7 @@ def test_mxfp4_weights(device, dtype, B, path, monkeypatch):
     _check_cache_equal(inp.kv_cache, cache_ref, device == "cuda")
     q64, _ = prologue_model_f64(inp, False)
     L = inp.kv_c.shape[1]
-    assert _rel(q[..., :L], q64[..., :L]) < FORMAT_TOL["mxfp4"]
+    assert rel_err(q[..., :L], q64[..., :L]) < FORMAT_TOL["mxfp4"]
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8-head", "mxfp4"])
@@ -143,7 +138,7 @@ def test_fp8_query_output(device, weights, scale_kind):
     tol = {"bf16": 0.05, "fp8-head": 0.08, "mxfp4": 0.25}[weights]
     L = inp.kv_c.shape[1]
     for part in (slice(0, L), slice(L, None)):
-        assert _rel(deq[..., part], ref[..., part]) < tol
+        assert rel_err(deq[..., part], ref[..., part]) < tol
     assert float(deq.abs().max()) <= 448 * q_scale * (1 + 1e-6)  # saturated, never inf/NaN
 
 
