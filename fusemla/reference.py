@@ -65,16 +65,18 @@ def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
     return (out * w_scale).transpose(0, 1)
 
 
-def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """``flat[slots[t]] = rows[t]`` for valid slots (0 <= slot < len(flat)), without a sync.
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache[s // block_size, s % block_size] = rows[t]`` for each valid slot ``s = slots[t]``
+    (0 <= s < num_blocks * block_size), without a sync, for any cache strides.
 
     Boolean indexing would sync (nonzero). Instead every skipped token is redirected to the
     first valid token's slot with that token's row, so the duplicate index writes identical
-    bytes; when no token is valid, the skipped ones rewrite row 0 with its own current bytes.
+    bytes; when no token is valid, the skipped ones rewrite slot 0 with its own current bytes.
     """
-    if flat.element_size() == 1:  # FP8: move bytes (few ops are implemented for float8 dtypes)
-        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-    n = flat.shape[0]
+    if cache.element_size() == 1:  # FP8: move bytes (few ops are implemented for float8 dtypes)
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    bs = cache.shape[1]
+    n = cache.shape[0] * bs
     slots = slots.long()
     valid = (slots >= 0) & (slots < n)
     # first valid token, or 0 when none is valid (index_select, not t[0-d tensor], which syncs)
@@ -82,11 +84,10 @@ def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -
     any_valid = valid.index_select(0, first)
     target = torch.where(any_valid, slots.index_select(0, first).clamp(0, n - 1), 0)
     fill = torch.where(any_valid[:, None], rows.index_select(0, first),
-                       flat.index_select(0, target))
-    target = target[0]
-    idx = torch.where(valid, slots, target)
+                       cache[target // bs, target % bs])
+    idx = torch.where(valid, slots, target[0])
     vals = torch.where(valid[:, None], rows, fill)
-    flat.index_copy_(0, idx, vals)
+    cache.index_put_((idx // bs, idx % bs), vals)
 
 
 def prologue_into(args: PrologueArgs, q: torch.Tensor) -> None:
@@ -117,17 +118,7 @@ def prologue_into(args: PrologueArgs, q: torch.Tensor) -> None:
         rows = quantize_fp8(row_fp32, args.kv_scale, cache.dtype)
     else:
         rows = torch.cat([args.kv_c.to(cache.dtype), k_pe.to(cache.dtype)], dim=-1)
-    flat = cache.view(-1, cache.shape[-1]) if cache.is_contiguous() else None
-    if flat is not None:
-        _scatter_rows(flat, args.slot_mapping, rows)
-    else:  # strided cache: scatter through the (block, offset) view
-        bs = cache.shape[1]
-        n = cache.shape[0] * bs
-        slots = args.slot_mapping.long()
-        valid = (slots >= 0) & (slots < n)
-        for t in valid.nonzero().flatten().tolist():
-            s = int(slots[t])
-            cache[s // bs, s % bs] = rows[t]
+    _scatter_rows(cache, args.slot_mapping, rows)
 
 
 def mla_decode_prologue_ref(

@@ -130,7 +130,8 @@ def test_matches_reference(device, dtype, is_neox, kv, B, H, block_size):
     _check_cache(inp, cache, cache_ref, before, rows64, is_neox)
 
 
-@pytest.mark.parametrize("variant", ["int32-bf16rope", "kpe-2d", "contiguous", "fp16-cache"])
+@pytest.mark.parametrize("variant", ["int32-bf16rope", "kpe-2d", "contiguous", "fp16-cache",
+                                     "strided-cache"])
 def test_input_variants(device, variant):
     """index dtypes, bf16 RoPE caches, k_pe without the head dim, contiguous copies, mixed cache dtype."""
     g = torch.Generator().manual_seed(7)
@@ -142,6 +143,10 @@ def test_input_variants(device, variant):
     inp = make_inputs(5, **_dims(device, 4), **kw)
     if variant == "kpe-2d":
         inp.k_pe = inp.k_pe.reshape(5, -1)
+    elif variant == "strided-cache":  # every other slot row of a wider buffer
+        wide = torch.cat([inp.kv_cache, inp.kv_cache.clone()], dim=1)
+        inp.kv_cache = wide[:, ::2]
+        assert not inp.kv_cache.is_contiguous()
     elif variant == "contiguous":
         for name in ("q_nope", "q_pe", "kv_c", "k_pe"):
             setattr(inp, name, getattr(inp, name).contiguous())
