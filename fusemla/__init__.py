@@ -1,25 +1,41 @@
-"""fusemla: fused Triton kernels for the decode step of DeepSeek-style Multi-Head Latent Attention.
+"""fusemla: fused Triton kernels and an engine-ready layer for DeepSeek-style Multi-Head Latent
+Attention.
 
-The public ops are imported lazily, so ``import fusemla`` does not import Triton: a program may
-still set ``TRITON_INTERPRET=1`` after importing the package and before the first op is used.
+Layout (arrows point one way: layers -> ops -> Triton helpers; integrations -> layers):
+``fusemla.ops`` (Triton kernels, custom ops), ``fusemla.reference`` (plain PyTorch),
+``fusemla.layers`` (:class:`MLAAttention`), ``fusemla.metadata`` (per-step batch metadata),
+``fusemla.integrations`` (engines, imported lazily), ``fusemla.testing`` (inputs, comparison).
+
+The public names are imported lazily, so ``import fusemla`` does not import Triton: a program
+may still set ``TRITON_INTERPRET=1`` after importing the package and before the first op runs.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
-    "mla_decode_prologue": "fusemla.ops.decode_prologue",
-    "mla_decode_prologue_ref": "fusemla.reference",
+    "mla_prologue": "fusemla.ops.prologue.api",
+    "mla_decode_prologue": "fusemla.ops.prologue.api",
+    "mla_prologue_ref": "fusemla.reference.prologue",
+    "mla_decode_prologue_ref": "fusemla.reference.prologue",
+    "PrologueOutput": "fusemla.ops.prologue.args",
+    "MLAAttention": "fusemla.layers.mla",
+    "MLAConfig": "fusemla.config",
+    "BatchMetadata": "fusemla.metadata",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fusemla.ops.decode_prologue import mla_decode_prologue
-    from fusemla.reference import mla_decode_prologue_ref
+    from fusemla.config import MLAConfig
+    from fusemla.layers.mla import MLAAttention
+    from fusemla.metadata import BatchMetadata
+    from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
+    from fusemla.ops.prologue.args import PrologueOutput
+    from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref
 
 
 def __getattr__(name: str) -> Any:

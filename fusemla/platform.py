@@ -37,6 +37,9 @@ __all__ = [
     "BACKENDS",
     "FP8_ACT_MIN_BATCH",
     "PlatformInfo",
+    "PrologueVariant",
+    "choose_prologue_variant",
+    "mxfp4_tiles_fit",
     "choose_fp8_activations",
     "choose_mxfp4_path",
     "clear_cache",
@@ -342,6 +345,67 @@ def choose_mxfp4_path(info: PlatformInfo) -> str:
     return mode
 
 
+@dataclass(frozen=True)
+class PrologueVariant:
+    """Which variant of the prologue kernel runs: the one decision, made by
+    :func:`choose_prologue_variant` for the launcher, the reference, ``fusemla info`` and tests."""
+
+    #: "plain" (weights in the activations' dtype), "fp8" or "mxfp4"
+    weight_format: str
+    #: FP8 weights only: activations quantized to FP8 per (token, head) in the kernel
+    fp8_activations: bool
+    #: MXFP4 weights only: "dot_scaled" or "dequant"; None for other formats
+    mxfp4_path: str | None
+
+    @property
+    def kernel_flags(self) -> tuple[int, bool, bool]:
+        """(W_FMT, ACT_FP8, MX_NATIVE) as the kernel takes them."""
+        w_fmt = {"plain": 0, "fp8": 1, "mxfp4": 2}[self.weight_format]
+        return w_fmt, self.fp8_activations, self.mxfp4_path == "dot_scaled"
+
+
+def mxfp4_tiles_fit(P: int, L: int, block_l: int) -> bool:
+    """Whether ``tl.dot_scaled`` can take the kernel's weight tiles: it needs whole, unmasked
+    tiles, so P a power of two (one [P, BLOCK_L] tile, whole 32-element scale blocks) and
+    L a multiple of BLOCK_L."""
+    return P >= 32 and P & (P - 1) == 0 and L % block_l == 0
+
+
+def choose_prologue_variant(info: PlatformInfo, *, weight_format: str, num_tokens: int,
+                            fp8_activations: bool | None = None, P: int | None = None,
+                            L: int | None = None, block_l: int | None = None) -> PrologueVariant:
+    """The prologue kernel variant for ``info``, a weight format and a batch.
+
+    ``fp8_activations`` (FP8 weights): True/False as the caller asked, None =
+    :func:`choose_fp8_activations`. MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles
+    (``P``, ``L``, ``block_l``; see :func:`mxfp4_tiles_fit`) cannot feed ``tl.dot_scaled``,
+    "auto" picks "dequant" and a forced ``FUSEMLA_MXFP4_PATH=dot_scaled`` raises.
+
+    Raises:
+        FuseMLAValueError: an unknown weight format, an invalid environment override, or a
+            forced choice that cannot run here.
+    """
+    _check_info(info)
+    if weight_format == "plain":
+        return PrologueVariant("plain", False, None)
+    if weight_format == "fp8":
+        act = (choose_fp8_activations(info, num_tokens) if fp8_activations is None
+               else bool(fp8_activations))
+        return PrologueVariant("fp8", act, None)
+    if weight_format != "mxfp4":
+        raise FuseMLAValueError(
+            f"weight_format: expected 'plain', 'fp8' or 'mxfp4', got {weight_format!r}")
+    path = choose_mxfp4_path(info)
+    if path == "dot_scaled" and None not in (P, L, block_l) and not mxfp4_tiles_fit(P, L, block_l):
+        if config.mxfp4_path_mode() == "dot_scaled":
+            raise FuseMLAValueError(
+                f"environment variable {config.MXFP4_PATH_ENV}=dot_scaled cannot run with "
+                f"P={P}, L={L} and tile BLOCK_L={block_l}: tl.dot_scaled needs P a power of two "
+                ">= 32 and L a multiple of BLOCK_L. Unset it or set it to 'dequant'")
+        path = "dequant"
+    return PrologueVariant("mxfp4", False, path)
+
+
 def default_fp8_weight_dtype(info: PlatformInfo) -> torch.dtype:
     """The FP8 dtype to store weights in for ``info`` (= ``info.fp8_dtype``)."""
     return _check_info(info).fp8_dtype
@@ -387,16 +451,18 @@ def report_lines(info: PlatformInfo) -> list[str]:
         (f"  native FP8 dots: {_yes(info.native_fp8)}{fp8_note}; "
          f"native FP4 (MX) dots: {_yes(info.native_fp4)}"),
     ]
+    dims = dict(P=128, L=512, block_l=128)  # DeepSeek-V3
     for batch in (1, 512):
         try:
+            v = choose_prologue_variant(info, weight_format="fp8", num_tokens=batch, **dims)
             act = ("FP8 activations (per-token-per-head quantization, FP8 dot)"
-                   if choose_fp8_activations(info, batch)
-                   else "bf16 activations (weights upcast in registers)")
+                   if v.fp8_activations else "bf16 activations (weights upcast in registers)")
         except FuseMLAValueError:
             act = f"cannot choose: {config.FP8_ACTIVATIONS_ENV} is invalid (below)"
         lines.append(f"  FP8 weights, B={batch}: {act}")
     try:
-        path = choose_mxfp4_path(info)
+        path = choose_prologue_variant(info, weight_format="mxfp4", num_tokens=1,
+                                       **dims).mxfp4_path
     except FuseMLAValueError as exc:
         path = f"error: {exc}"
     lines.append(f"  MXFP4 weights: {path}")

@@ -27,16 +27,23 @@ def rope_indices(o_r, R: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, NEG_ZERO: tl.constexpr):
-    """Round fp32 ``x`` onto the e4m3 grid (3 mantissa bits), ties to even, saturating at FP8_MAX.
+def round_to_fp8_grid(x, CODE: tl.constexpr):
+    """Round fp32 ``x`` onto the e4m3 grid (3 mantissa bits), ties to even, saturating.
 
-    The result is an fp32 value that the FP8 format represents exactly, so any later cast is
-    exact; this sidesteps Triton's fp32 -> fp8 downcast, which loses the rounding carry under the
-    interpreter (triton #8322). ``MIN_EXP`` is the smallest normal exponent (-6 for e4m3fn,
-    -7 for e4m3fnuz); below it the grid spacing stays 2**(MIN_EXP - 3) (subnormals).
-    ``NEG_ZERO`` keeps the sign of zero (e4m3fn has -0; in e4m3fnuz that byte is NaN).
+    ``CODE`` is the format code of :data:`fusemla.dtypes.FP8_FORMATS` (1: e4m3fn, max 448,
+    smallest normal exponent -6, has -0; 2: e4m3fnuz, max 240, exponent -7, no -0); every
+    constant of the format is derived from it here. The result is an fp32 value that the
+    format represents exactly, so any later cast is exact; this sidesteps Triton's
+    fp32 -> fp8 downcast, which loses the rounding carry under the interpreter (triton #8322).
+    Below the smallest normal the grid spacing stays 2**(MIN_EXP - 3) (subnormals).
     NaN stays NaN.
     """
+    if CODE == 1:
+        FP8_MAX: tl.constexpr = 448.0
+        MIN_EXP: tl.constexpr = -6
+    else:
+        FP8_MAX: tl.constexpr = 240.0
+        MIN_EXP: tl.constexpr = -7
     a = tl.minimum(tl.abs(x), FP8_MAX)
     bits = a.to(tl.int32, bitcast=True)
     e = tl.maximum((bits >> 23) - 127, MIN_EXP)
@@ -49,7 +56,7 @@ def round_to_fp8_grid(x, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, NEG_ZERO:
     # the sign goes back on as a bit: compilers may treat the sign of a float zero as
     # insignificant, so ``-y`` for y == 0 can lose it
     sign = x.to(tl.uint32, bitcast=True) & 0x80000000
-    if not NEG_ZERO:
+    if CODE != 1:
         sign = tl.where(y > 0, sign, 0)  # e4m3fnuz has no -0 (its byte is NaN)
     y = (y.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, y)
@@ -77,11 +84,11 @@ def cast_rne(x, ty: tl.constexpr, FIX_BF16: tl.constexpr):
 
 
 @triton.jit
-def quantize_value(x, scale, FMT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr):
-    """fp32 ``x`` -> the fp32 value an output of format FMT stores: unchanged for FMT == 0,
-    else ``saturate(x / scale)`` on the e4m3 grid (FMT 1: e4m3fn, 2: e4m3fnuz), IEEE division."""
-    if FMT != 0:
-        x = round_to_fp8_grid(tl.math.div_rn(x, scale), FP8_MAX, MIN_EXP, FMT == 1)
+def quantize_value(x, scale, CODE: tl.constexpr):
+    """fp32 ``x`` -> the fp32 value an output of FP8 format CODE stores: unchanged for CODE 0
+    (not FP8), else ``saturate(x / scale)`` on the e4m3 grid, IEEE division."""
+    if CODE != 0:
+        x = round_to_fp8_grid(tl.math.div_rn(x, scale), CODE)
     return x
 
 

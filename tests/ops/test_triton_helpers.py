@@ -7,21 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
+from fusemla.dtypes import FP8_FORMATS
 from fusemla.ops.triton_helpers import cast_rne, round_to_fp8_grid
 
-FP8 = {  # dtype -> (max, smallest normal exponent, keeps -0)
-    torch.float8_e4m3fn: (448.0, -6, True),
-    torch.float8_e4m3fnuz: (240.0, -7, False),
-}
+FP8 = list(FP8_FORMATS)
 
 
 @triton.jit
-def _round_kernel(p_x, p_y, n, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
-                  NEG_ZERO: tl.constexpr, BLOCK: tl.constexpr):
+def _round_kernel(p_x, p_y, n, CODE: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     x = tl.load(p_x + o, mask=m, other=0.0)
-    tl.store(p_y + o, round_to_fp8_grid(x, FP8_MAX, MIN_EXP, NEG_ZERO), mask=m)
+    tl.store(p_y + o, round_to_fp8_grid(x, CODE), mask=m)
 
 
 @triton.jit
@@ -33,7 +30,7 @@ def _bf16_kernel(p_x, p_y, n, FIX: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _fp8_probe_values(dtype: torch.dtype) -> torch.Tensor:
-    fmax = FP8[dtype][0]
+    fmax = FP8_FORMATS[dtype].max
     grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     grid = grid[torch.isfinite(grid)]
     mids = (grid[:-1].sort().values + grid.sort().values[1:]) / 2  # exact ties
@@ -47,13 +44,13 @@ def _fp8_probe_values(dtype: torch.dtype) -> torch.Tensor:
                       rand, special]).contiguous()
 
 
-@pytest.mark.parametrize("dtype", list(FP8), ids=str)
+@pytest.mark.parametrize("dtype", FP8, ids=str)
 def test_fp8_rounding_matches_torch_saturating_cast(device, dtype):
-    fmax, min_exp, neg_zero = FP8[dtype]
+    fmax = FP8_FORMATS[dtype].max
     x = _fp8_probe_values(dtype).to(device)
     y = torch.empty_like(x)
-    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), FP8_MAX=fmax,
-                                                    MIN_EXP=min_exp, NEG_ZERO=neg_zero, BLOCK=1024)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), CODE=FP8_FORMATS[dtype].code,
+                                                    BLOCK=1024)
     want = x.clamp(-fmax, fmax).to(dtype)
     # the helper's output is exactly representable: casting it is exact and equals torch's cast
     assert torch.equal(y.to(dtype).view(torch.uint8), want.view(torch.uint8))

@@ -1,0 +1,127 @@
+"""The prologue launcher: validated arguments -> one kernel launch (or the CPU fallback).
+
+:func:`run` is what both the eager path and the registered custom op call; it never validates
+(that happened once, in :func:`fusemla.ops.prologue.args.prepare`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from fusemla import config, platform
+from fusemla.dtypes import fp8_code
+from fusemla.ops.prologue import configs
+from fusemla.ops.prologue.args import PrologueArgs, check_device_values
+from fusemla.ops.prologue.kernel import mla_prologue_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def backend_of(device: torch.device) -> str:
+    """The launch-config backend for tensors on ``device`` ("cuda", "rocm" or "interpreter")."""
+    be = platform.detect(device).backend
+    if be == "cpu":
+        raise ValueError("no Triton backend for CPU tensors without TRITON_INTERPRET=1")
+    return be
+
+
+def weight_format(w: object) -> str:
+    return "plain" if isinstance(w, torch.Tensor) else w.format
+
+
+def variant_for(args: PrologueArgs, cfg: dict) -> platform.PrologueVariant:
+    """The kernel variant these arguments run (the single decision in
+    :func:`fusemla.platform.choose_prologue_variant`)."""
+    return platform.choose_prologue_variant(
+        platform.detect(args.q_nope.device), weight_format=weight_format(args.w_uk_t),
+        num_tokens=args.D, fp8_activations=args.fp8_activations, P=args.P, L=args.L,
+        block_l=cfg["BLOCK_L"])
+
+
+def _scale_args(scale) -> tuple[Optional[torch.Tensor], float]:
+    """(pointer or None, value) for a float/tensor/None scale."""
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0
+    return None, 1.0 if scale is None else float(scale)
+
+
+def launch(args: PrologueArgs, cfg: Optional[dict] = None) -> None:
+    """Launch the kernel on validated arguments, writing the outputs and the cache."""
+    N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
+    if N == 0:
+        return
+    backend = backend_of(args.q_nope.device)
+    if cfg is None:
+        cfg = configs.launch_config(H, P, R, L, backend, D <= configs.SMALL_BATCH)
+    n_hl = H * triton.cdiv(L, cfg["BLOCK_L"])
+    num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
+    tokens_per_chunk, n_chunks = configs.split_tokens(D, n_hl, cfg, num_sms)
+    n_bmm = n_hl * n_chunks if D > 0 else 0
+    n_rope_d = triton.cdiv(D * H, cfg["ROPE_ROWS"])
+    n_rope_p = triton.cdiv((N - D) * H, cfg["ROPE_ROWS"])
+
+    w_fmt, act_fp8, mx_native = variant_for(args, cfg).kernel_flags
+    w = args.w_uk_t
+    if w_fmt == 0:
+        w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
+    else:
+        w_data, w_scale = w.data, w.scale
+        s_ws_h = w.scale.stride(0) if w.scale.numel() > 1 else 0
+        s_ws_p = w.scale.stride(1) if w.scale.dim() > 1 else 0
+    p_kv_scale, kv_scale_value = _scale_args(args.kv_scale)
+    p_q_scale, q_scale_value = _scale_args(args.q_scale)
+    interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
+    qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
+    q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
+    grid = (n_bmm + n_rope_d + n_rope_p + N,)
+    mla_prologue_kernel[grid](
+        p_qn=qn, s_qn_t=qn.stride(0), s_qn_h=qn.stride(1),
+        p_qp=qp, s_qp_t=qp.stride(0), s_qp_h=qp.stride(1),
+        p_kvc=kvc, s_kvc_t=kvc.stride(0),
+        p_kpe=kpe, s_kpe_t=kpe.stride(0),
+        p_w=w_data, s_w_h=w_data.stride(0), s_w_p=w_data.stride(1),
+        p_ws=w_scale, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
+        p_pos=args.positions, s_pos=args.positions.stride(0),
+        p_cos=args.cos_cache, s_cos=args.cos_cache.stride(0),
+        p_sin=args.sin_cache, s_sin=args.sin_cache.stride(0),
+        p_slot=args.slot_mapping, s_slot=args.slot_mapping.stride(0),
+        p_kv_scale=p_kv_scale, kv_scale_value=kv_scale_value,
+        p_q=q, s_q_t=q.stride(0), s_q_h=q.stride(1),
+        p_q_scale=p_q_scale, q_scale_value=q_scale_value,
+        p_qpo=qpo, s_qpo_t=qpo.stride(0), s_qpo_h=qpo.stride(1),
+        p_kpo=kpo, s_kpo_t=kpo.stride(0),
+        p_cache=cache, s_cache_b=cache.stride(0), s_cache_s=cache.stride(1),
+        N=N, D=D, n_bmm=n_bmm, n_rope_d=n_rope_d, n_rope_p=n_rope_p,
+        tokens_per_chunk=tokens_per_chunk, n_chunks=n_chunks,
+        max_pos=args.cos_cache.shape[0], num_slots=cache.shape[0] * cache.shape[1],
+        block_size=cache.shape[1],
+        H=H, P=P, R=R, L=L,
+        BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"], ROPE_ROWS=cfg["ROPE_ROWS"],
+        IS_NEOX=args.is_neox, APPLY_ROPE=args.apply_rope,
+        KV_FP8=fp8_code(cache.dtype), Q_FP8=fp8_code(q.dtype),
+        W_FMT=w_fmt, W_CODE=fp8_code(w_data.dtype), MX_NATIVE=mx_native, ACT_FP8=act_fp8,
+        A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
+        DOT_FP32=interp, FIX_BF16=interp,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def run(args: PrologueArgs) -> None:
+    """Run the prologue on validated arguments: the kernel, or for CPU tensors without the
+    interpreter the unfused reference (same semantics)."""
+    if config.debug_checks():
+        check_device_values(args)
+    if args.q_nope.device.type == "cpu" and not config.interpreting():
+        from fusemla.reference.prologue import prologue_into
+
+        prologue_into(args)
+        return
+    launch(args)
