@@ -8,8 +8,6 @@ the op's implementation does not validate again.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from fusemla.ops.prologue.args import PrologueArgs
@@ -19,11 +17,11 @@ from fusemla.ops.prologue.args import PrologueArgs
                          mutates_args=("kv_cache", "q_out", "q_pe_out", "k_pe_out"))
 def mla_prologue_op(
     q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-    w_data: torch.Tensor, w_scale: Optional[torch.Tensor], w_format: str,
+    w_data: torch.Tensor, w_scale: torch.Tensor | None, w_format: str,
     positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int, is_neox: bool,
-    apply_rope: bool, kv_scale_tensor: Optional[torch.Tensor], kv_scale_value: float,
-    q_scale_tensor: Optional[torch.Tensor], q_scale_value: float, fp8_activations: int,
+    apply_rope: bool, kv_scale_tensor: torch.Tensor | None, kv_scale_value: float,
+    q_scale_tensor: torch.Tensor | None, q_scale_value: float, fp8_activations: int,
     q_out: torch.Tensor, q_pe_out: torch.Tensor, k_pe_out: torch.Tensor,
 ) -> None:
     """The fused prologue on arguments already validated by the public function."""

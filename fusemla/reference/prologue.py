@@ -10,8 +10,6 @@ compiled with ``torch.compile``. It imports no kernel.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 from fusemla import platform
@@ -20,7 +18,7 @@ from fusemla.ops.prologue.args import PrologueArgs, PrologueOutput, Scale, prepa
 from fusemla.rope import apply_rope
 
 
-def quantize_fp8(x: torch.Tensor, scale: Union[float, torch.Tensor], dtype: torch.dtype):
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype):
     """``saturate(x / scale)`` cast to ``dtype``, rounded to nearest even.
 
     The division is an IEEE fp32 division by the fp32 scale (a float scale is rounded to fp32
@@ -150,16 +148,16 @@ def mla_prologue_ref(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    num_decode_tokens: Optional[int] = None,
+    num_decode_tokens: int | None = None,
     is_neox: bool = False,
     rope_applied: bool = False,
     kv_scale: Scale = None,
-    out: Optional[torch.Tensor] = None,
-    q_pe_out: Optional[torch.Tensor] = None,
-    k_pe_out: Optional[torch.Tensor] = None,
-    q_out_dtype: Optional[torch.dtype] = None,
+    out: torch.Tensor | None = None,
+    q_pe_out: torch.Tensor | None = None,
+    k_pe_out: torch.Tensor | None = None,
+    q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: Optional[bool] = None,
+    fp8_activations: bool | None = None,
 ) -> PrologueOutput:
     """Unfused reference of :func:`fusemla.mla_prologue` (same arguments and result)."""
     args = prepare(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
@@ -186,10 +184,10 @@ def mla_decode_prologue_ref(
     is_neox: bool = False,
     rope_applied: bool = False,
     kv_scale: Scale = None,
-    out: Optional[torch.Tensor] = None,
-    q_out_dtype: Optional[torch.dtype] = None,
+    out: torch.Tensor | None = None,
+    q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: Optional[bool] = None,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """:func:`mla_prologue_ref` for an all-decode batch; returns ``q [N, H, L + R]``."""
     return mla_prologue_ref(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,

@@ -2,12 +2,27 @@
 correctness comparison with its tolerance table (``compare``). Free of Triton."""
 
 from fusemla.testing.compare import (
-    TOL, Comparison, check_against_reference, compare, fp8_ordinal, rel_err, run_and_compare,
-    scale_value, weight_kind,
+    TOL,
+    Comparison,
+    check_against_reference,
+    compare,
+    fp8_ordinal,
+    rel_err,
+    run_and_compare,
+    scale_value,
+    weight_kind,
 )
 from fusemla.testing.inputs import (
-    DEEPSEEK_V3, FP8_NAN_BYTE, SMALL_DIMS, PrologueInputs, make_inputs, poisoned, poisoned_cache,
-    prologue_model_f64, rope_f64, stable_seed,
+    DEEPSEEK_V3,
+    FP8_NAN_BYTE,
+    SMALL_DIMS,
+    PrologueInputs,
+    make_inputs,
+    poisoned,
+    poisoned_cache,
+    prologue_model_f64,
+    rope_f64,
+    stable_seed,
 )
 
 __all__ = [

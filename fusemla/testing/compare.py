@@ -8,7 +8,7 @@ tolerances. Free of Triton: usable on any tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -272,7 +272,7 @@ def _compare_cache(res: Comparison, inp: PrologueInputs, cache, cache_ref, cache
 
 def check_against_reference(inp: PrologueInputs, out: Any, cache_before: torch.Tensor, *,
                             is_neox: bool = False, rope_applied: bool = False,
-                            w_uk_t: Any = None, fp8_activations: Optional[bool] = None,
+                            w_uk_t: Any = None, fp8_activations: bool | None = None,
                             **kw: Any) -> Comparison:
     """Run the unfused reference on ``inp`` (from ``cache_before``) and :func:`compare` to
     ``out`` and ``inp.kv_cache`` (the fused op's results on ``inp``). ``kw`` goes to both
@@ -287,8 +287,17 @@ def check_against_reference(inp: PrologueInputs, out: Any, cache_before: torch.T
                    fp8_activations=bool(fp8_activations))
 
 
+_OUTPUT_BUFFERS = ("out", "q_pe_out", "k_pe_out")
+
+
 def run_and_compare(fn, inp: PrologueInputs, *, w_uk_t: Any = None, **kw: Any) -> Comparison:
-    """Poison-checked run of ``fn`` (``mla_prologue``) on ``inp``, compared with the reference."""
+    """Run ``fn`` (``mla_prologue``) on ``inp`` and compare with the reference run from the same
+    cache. Output buffers in ``kw`` (``out``, ``q_pe_out``, ``k_pe_out``) go to ``fn`` only and
+    must come back as its results."""
     before = inp.kv_cache.clone()
     out = inp.run(fn, w_uk_t=w_uk_t, **kw)
+    for i, name in enumerate(_OUTPUT_BUFFERS):
+        given = kw.pop(name, None)
+        if given is not None and out[i].data_ptr() != given.data_ptr():
+            return Comparison(problems=[f"{name}: the given buffer was not returned"])
     return check_against_reference(inp, out, before, w_uk_t=w_uk_t, **kw)

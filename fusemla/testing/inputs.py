@@ -9,8 +9,9 @@ from :func:`stable_seed`, the same in every process (never Python's salted ``has
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -42,8 +43,8 @@ class PrologueInputs:
     sin_cache: torch.Tensor
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    kv_scale: Union[float, torch.Tensor, None] = None
-    num_decode_tokens: Optional[int] = None  # None: all tokens decode
+    kv_scale: float | torch.Tensor | None = None
+    num_decode_tokens: int | None = None  # None: all tokens decode
     extra: dict = field(default_factory=dict)
 
     @property
@@ -54,7 +55,7 @@ class PrologueInputs:
         return (self.q_nope, self.q_pe, self.kv_c, self.k_pe, self.w_uk_t, self.positions,
                 self.cos_cache, self.sin_cache, self.kv_cache, self.slot_mapping)
 
-    def run(self, fn: Callable, *, kv_cache: Optional[torch.Tensor] = None,
+    def run(self, fn: Callable, *, kv_cache: torch.Tensor | None = None,
             w_uk_t: Any = None, **kw: Any) -> Any:
         """``fn(*args, num_decode_tokens=..., kv_scale=..., **kw)`` (an ``mla_prologue`` or its
         reference), optionally on another cache or weight."""
@@ -68,12 +69,12 @@ class PrologueInputs:
 
 
 def poisoned_cache(num_blocks: int, block_size: int, width: int, dtype: torch.dtype,
-                   device: Union[str, torch.device]) -> torch.Tensor:
+                   device: str | torch.device) -> torch.Tensor:
     """A ``[num_blocks, block_size, width]`` cache filled with NaN (NaN bytes for FP8)."""
     return poisoned((num_blocks, block_size, width), dtype, device)
 
 
-def poisoned(shape: tuple, dtype: torch.dtype, device: Union[str, torch.device]) -> torch.Tensor:
+def poisoned(shape: tuple, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """A tensor filled with NaN (NaN bytes for FP8)."""
     if dtype in FP8_NAN_BYTE:
         return torch.full(shape, FP8_NAN_BYTE[dtype], dtype=torch.uint8, device=device).view(dtype)
@@ -87,19 +88,19 @@ def make_inputs(
     R: int,
     L: int,
     *,
-    num_decode_tokens: Optional[int] = None,
+    num_decode_tokens: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    kv_dtype: Optional[torch.dtype] = None,
+    kv_dtype: torch.dtype | None = None,
     block_size: int = 16,
-    num_blocks: Optional[int] = None,
+    num_blocks: int | None = None,
     max_position: int = 4096,
     rope_dtype: torch.dtype = torch.float32,
     index_dtype: torch.dtype = torch.int64,
-    kv_scale: Union[float, torch.Tensor, str, None] = "auto",
+    kv_scale: float | torch.Tensor | str | None = "auto",
     pad_fraction: float = 0.0,
     outliers: bool = True,
-    device: Union[str, torch.device] = "cpu",
-    generator: Optional[torch.Generator] = None,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
 ) -> PrologueInputs:
     """Fresh random prologue inputs for ``B`` tokens (the first ``num_decode_tokens`` decode).
 
@@ -162,7 +163,7 @@ def rope_f64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: boo
 
 
 def prologue_model_f64(inp: PrologueInputs, is_neox: bool, rope_applied: bool = False,
-                       w_uk_t: Optional[torch.Tensor] = None) -> dict:
+                       w_uk_t: torch.Tensor | None = None) -> dict:
     """Float64 model of the prologue before any rounding, on the CPU.
 
     Returns ``q [D, H, L+R]``, ``q_pe [N, H, R]`` (rotated), ``k_pe [N, R]`` (rotated) and

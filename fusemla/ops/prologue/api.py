@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,23 +18,23 @@ def mla_prologue(
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
-    w_uk_t: Union[torch.Tensor, "QuantizedWeight"],
+    w_uk_t: torch.Tensor | QuantizedWeight,
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    num_decode_tokens: Optional[int] = None,
+    num_decode_tokens: int | None = None,
     is_neox: bool = False,
     rope_applied: bool = False,
     kv_scale: Scale = None,
-    out: Optional[torch.Tensor] = None,
-    q_pe_out: Optional[torch.Tensor] = None,
-    k_pe_out: Optional[torch.Tensor] = None,
-    q_out_dtype: Optional[torch.dtype] = None,
+    out: torch.Tensor | None = None,
+    q_pe_out: torch.Tensor | None = None,
+    k_pe_out: torch.Tensor | None = None,
+    q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: Optional[bool] = None,
+    fp8_activations: bool | None = None,
 ) -> PrologueOutput:
     """Fused MLA prologue for a decode-first batch, in one kernel launch.
 
@@ -96,7 +96,7 @@ def mla_decode_prologue(
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
-    w_uk_t: Union[torch.Tensor, "QuantizedWeight"],
+    w_uk_t: torch.Tensor | QuantizedWeight,
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
@@ -106,10 +106,10 @@ def mla_decode_prologue(
     is_neox: bool = False,
     rope_applied: bool = False,
     kv_scale: Scale = None,
-    out: Optional[torch.Tensor] = None,
-    q_out_dtype: Optional[torch.dtype] = None,
+    out: torch.Tensor | None = None,
+    q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: Optional[bool] = None,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """:func:`mla_prologue` for an all-decode batch; returns ``q [N, H, L + R]``."""
     return mla_prologue(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,

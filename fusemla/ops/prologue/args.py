@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Union
 
 import torch
 
@@ -62,7 +63,7 @@ class PrologueArgs:
     apply_rope: bool  # False: the caller already rotated q_pe and k_pe (rope_applied=True)
     kv_scale: Scale
     q_scale: Scale
-    fp8_activations: Optional[bool]  # FP8 weights only: None = chosen by the platform
+    fp8_activations: bool | None  # FP8 weights only: None = chosen by the platform
     q: torch.Tensor  # [D, H, L + R] output
     q_pe_out: torch.Tensor  # [N - D, H, R] output
     k_pe_out: torch.Tensor  # [N - D, R] output
@@ -103,7 +104,7 @@ def _tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def _shape(name: str, x: torch.Tensor, expected: Sequence[Optional[int]], what: str) -> None:
+def _shape(name: str, x: torch.Tensor, expected: Sequence[int | None], what: str) -> None:
     ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
     if not ok:
         raise FuseMLAValueError(f"{name}: expected shape {what}, got {describe(x)}")
@@ -122,7 +123,7 @@ def _last_contiguous(name: str, x: torch.Tensor) -> None:
         )
 
 
-def check_scale(name: str, scale: object, needed_by: Optional[str]) -> Scale:
+def check_scale(name: str, scale: object, needed_by: str | None) -> Scale:
     """A positive float (rounded to fp32, as the kernel receives it) or a 1-element fp32 tensor."""
     if scale is None:
         if needed_by is not None:
@@ -181,7 +182,7 @@ def _num_decode_tokens(value: object, N: int) -> int:
     return value
 
 
-def _output(name: str, x: Optional[torch.Tensor], shape: tuple, what: str, dtype: torch.dtype,
+def _output(name: str, x: torch.Tensor | None, shape: tuple, what: str, dtype: torch.dtype,
             like: torch.Tensor) -> torch.Tensor:
     """A given output, checked; or a new empty one."""
     if x is None:
@@ -205,16 +206,16 @@ def prepare(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    num_decode_tokens: Optional[int] = None,
+    num_decode_tokens: int | None = None,
     is_neox: bool = False,
     rope_applied: bool = False,
     kv_scale: Scale = None,
-    out: Optional[torch.Tensor] = None,
-    q_pe_out: Optional[torch.Tensor] = None,
-    k_pe_out: Optional[torch.Tensor] = None,
-    q_out_dtype: Optional[torch.dtype] = None,
+    out: torch.Tensor | None = None,
+    q_pe_out: torch.Tensor | None = None,
+    k_pe_out: torch.Tensor | None = None,
+    q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: Optional[bool] = None,
+    fp8_activations: bool | None = None,
 ) -> PrologueArgs:
     """Check every argument of :func:`fusemla.mla_prologue` and allocate the outputs not given.
 

@@ -28,7 +28,7 @@ _KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "n
 _overrides: dict[str, Any] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool) -> dict:
     common = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
                   BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64, BLOCK_T=16,

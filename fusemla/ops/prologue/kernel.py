@@ -31,7 +31,12 @@ import triton
 import triton.language as tl
 
 from fusemla.ops.triton_helpers import (
-    cast_rne, e2m1_to_f32, e8m0_to_f32, quantize_value, rope_indices, round_to_fp8_grid,
+    cast_rne,
+    e2m1_to_f32,
+    e8m0_to_f32,
+    quantize_value,
+    rope_indices,
+    round_to_fp8_grid,
 )
 
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import triton
@@ -19,7 +18,7 @@ from fusemla.ops.prologue.args import PrologueArgs, check_device_values
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -45,14 +44,14 @@ def variant_for(args: PrologueArgs, cfg: dict) -> platform.PrologueVariant:
         block_l=cfg["BLOCK_L"])
 
 
-def _scale_args(scale) -> tuple[Optional[torch.Tensor], float]:
+def _scale_args(scale) -> tuple[torch.Tensor | None, float]:
     """(pointer or None, value) for a float/tensor/None scale."""
     if isinstance(scale, torch.Tensor):
         return scale, 1.0
     return None, 1.0 if scale is None else float(scale)
 
 
-def launch(args: PrologueArgs, cfg: Optional[dict] = None) -> None:
+def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     """Launch the kernel on validated arguments, writing the outputs and the cache."""
     N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
     if N == 0:

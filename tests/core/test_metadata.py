@@ -275,6 +275,20 @@ def test_max_blocks():
     assert alloc.num_free == free and alloc.blocks_of("c") == []
 
 
+def test_block_table_holds_only_the_blocks_in_use():
+    """A request owning more blocks than its seq_len needs (reserved ahead) shows only those."""
+    alloc = BlockAllocator(16, 4, seed=5)
+    reserved = alloc.ensure("a", 30)  # 8 blocks
+    steps = [RequestStep("a", 5, 1), RequestStep("b", 0, 2)]
+    md, order = build_metadata(steps, alloc)
+    assert md.block_table.shape == (2, 2)
+    assert md.block_table_cpu[0] == tuple(reserved[:2])
+    assert alloc.blocks_of("a") == reserved
+    _check_against_allocator(md, order, steps, alloc)
+    md, _ = build_metadata(steps, alloc, max_blocks=4)
+    assert md.block_table_cpu[0] == (*reserved[:2], 0, 0)
+
+
 def test_build_is_all_or_nothing_when_out_of_blocks():
     alloc = BlockAllocator(5, 4, seed=9)
     build_metadata([RequestStep("a", 0, 6)], alloc)  # 2 blocks
@@ -495,8 +509,8 @@ VALIDATION_CASES = [
      "query_start_loc_cpu"),
     ("decode qlen 2", {"query_start_loc_cpu": (0, 2, 2, 5, 7)}, FuseMLAValueError,
      "query_start_loc_cpu"),
-    ("decode qlen 0", {"query_start_loc_cpu": (0, 0, 2, 5, 7)}, FuseMLAValueError,
-     "query_start_loc_cpu"),
+    ("decode qlen 0", {"query_start_loc_cpu": (0, 0, 1, 4, 6), "num_prefill_tokens": 4},
+     FuseMLAValueError, "query_start_loc_cpu"),
     ("prefill qlen 0", {"query_start_loc_cpu": (0, 1, 2, 2, 7)}, FuseMLAValueError,
      "query_start_loc_cpu"),
     ("seq < qlen", {"seq_lens_cpu": (6, 0, 2, 4)}, FuseMLAValueError, "seq_lens_cpu"),
