@@ -13,6 +13,7 @@ import triton
 
 from fusemla import config, platform
 from fusemla.dtypes import fp8_code
+from fusemla.errors import FuseMLATypeError, describe
 from fusemla.ops.prologue import configs
 from fusemla.ops.prologue.args import PrologueArgs, check_device_values
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
@@ -44,6 +45,19 @@ def variant_for(args: PrologueArgs, cfg: dict) -> platform.PrologueVariant:
         block_l=cfg["BLOCK_L"])
 
 
+def _check_formats(args: PrologueArgs, backend: str) -> None:
+    """FP8 formats the backend's Triton can store: NVIDIA has no float8_e4m3fnuz (MI300's)."""
+    if backend != "cuda":
+        return
+    w = args.w_uk_t
+    w_data = w if isinstance(w, torch.Tensor) else w.data
+    for name, t in (("kv_cache", args.kv_cache), ("out", args.q), ("w_uk_t.data", w_data)):
+        if t.dtype == torch.float8_e4m3fnuz:
+            raise FuseMLATypeError(
+                f"{name}: float8_e4m3fnuz is the MI300 (gfx940-942) format; Triton on NVIDIA "
+                f"GPUs cannot store it: use torch.float8_e4m3fn, got {describe(t)}")
+
+
 def _scale_args(scale) -> tuple[torch.Tensor | None, float]:
     """(pointer or None, value) for a float/tensor/None scale."""
     if isinstance(scale, torch.Tensor):
@@ -57,6 +71,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     if N == 0:
         return
     backend = backend_of(args.q_nope.device)
+    _check_formats(args, backend)
     if cfg is None:
         cfg = configs.launch_config(H, P, R, L, backend, D <= configs.SMALL_BATCH)
     n_hl = H * triton.cdiv(L, cfg["BLOCK_L"])

@@ -1,4 +1,4 @@
-"""Benchmark the MLA decode prologue: fused kernel vs the unfused path vs torch.compile of it.
+"""Benchmark the MLA prologue: fused kernel vs the unfused path vs torch.compile of it.
 
 Method (KNOWLEDGE.md §5): every implementation runs 8 layers inside one CUDA graph, each layer
 with its own weights, activations, query buffer and cache, so W_UK (16 MiB per layer at H=128)
@@ -6,8 +6,12 @@ is not L2-resident; the graph is replayed many times (triton.testing.do_bench, m
 time divided by 8. Correctness at full dims is checked for every shape before it is timed.
 
 Usage (on a GPU):
-    python benchmarks/bench_decode_prologue.py [--out results.json] [--heads 16 128]
-        [--batches 1 8 32 64 128 256 512] [--sweep]
+    python benchmarks/bench_prologue.py [--out results.json] [--heads 16 128]
+        [--batches 1 8 32 64 128 256 512] [--sweep] [--mixed-only]
+
+Rows ``op="decode_prologue"``: all-decode batches of B tokens. Rows ``op="mixed_prologue"``:
+32 decode tokens + one 512-token prefill (``--mixed``): one launch (``fused``), two launches
+(``fused_two_launches``: decode tokens, then prefill tokens), and the unfused path.
 
 ``--sweep`` also times a grid of fused-kernel tile configs per shape and reports the best one
 (used to choose the defaults in ``launch_config``).
@@ -33,12 +37,14 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fusemla.ops import checks  # noqa: E402
-from fusemla.ops.decode_prologue import (  # noqa: E402
-    SMALL_BATCH, launch, launch_config, mla_decode_prologue)
+from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue  # noqa: E402
+from fusemla.ops.prologue.args import prepare  # noqa: E402
+from fusemla.ops.prologue.configs import SMALL_BATCH, launch_config  # noqa: E402
+from fusemla.ops.prologue.launch import launch  # noqa: E402
 from fusemla.quant import quantize_fp8_weight, quantize_mxfp4_weight  # noqa: E402
-from fusemla.reference import mla_decode_prologue_ref  # noqa: E402
-from fusemla.testing import DEEPSEEK_V3, check_against_reference, make_inputs  # noqa: E402
+from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref  # noqa: E402
+from fusemla.testing import (  # noqa: E402
+    DEEPSEEK_V3, check_against_reference, make_inputs, run_and_compare)
 
 LAYERS = 8
 OP = "decode_prologue"
@@ -120,24 +126,82 @@ def variant_call(inp, label):
 
 
 def check_variant(inp, label) -> list:
-    """Quantized variant vs the reference that quantizes the same way."""
-    args = list(inp.args())
-    args[4] = quantized(inp, label)
-    act = W_VARIANTS[label][1]
-    cache = inp.kv_cache.clone()
-    q = mla_decode_prologue(*args, kv_scale=inp.kv_scale, fp8_activations=act)
-    args[8] = cache
-    q_ref = mla_decode_prologue_ref(*args, kv_scale=inp.kv_scale, fp8_activations=act)
-    rel = float((q.double() - q_ref.double()).norm() / q_ref.double().norm())
-    return [] if rel < 1e-2 and not torch.isnan(q.float()).any() else [f"{label}: rel {rel:.2e}"]
+    """Quantized variant vs the reference that quantizes the same way (every cache byte)."""
+    res = run_and_compare(mla_prologue, inp, w_uk_t=quantized(inp, label),
+                          fp8_activations=W_VARIANTS[label][1])
+    return [f"{label}: {p}" for p in res.problems]
 
 
 def fused_call(inp, cfg=None):
     if cfg is None:
         return lambda: mla_decode_prologue(*inp.args(), kv_scale=inp.kv_scale,
                                            out=inp.extra["out"])
-    args = checks.validate(*inp.args(), False, inp.kv_scale, inp.extra["out"])
-    return lambda: launch(args, inp.extra["out"], cfg)
+    args = prepare(*inp.args(), kv_scale=inp.kv_scale, out=inp.extra["out"])
+    return lambda: launch(args, cfg)
+
+
+MIXED_DECODE, MIXED_PREFILL = 32, 512
+
+
+def mixed_rows(rows, failures, H, dims, kv_name, copy_bw, compiled_ref):
+    """32 decode tokens + one 512-token prefill: one launch vs two vs the unfused path."""
+    D, N = MIXED_DECODE, MIXED_DECODE + MIXED_PREFILL
+    kv_dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(7000 + H)
+    layers = []
+    for _ in range(LAYERS):
+        inp = make_inputs(N, H=H, **dims, num_decode_tokens=D, kv_dtype=kv_dtype, block_size=64,
+                          kv_scale="tensor", device="cuda", generator=g)
+        inp.extra["outs"] = dict(
+            out=torch.empty(D, H, dims["L"] + dims["R"], dtype=torch.bfloat16, device="cuda"),
+            q_pe_out=torch.empty(N - D, H, dims["R"], dtype=torch.bfloat16, device="cuda"),
+            k_pe_out=torch.empty(N - D, dims["R"], dtype=torch.bfloat16, device="cuda"))
+        layers.append(inp)
+    chk = layers[0]
+    probs = run_and_compare(mla_prologue, chk).problems
+    if probs:
+        failures.append((kv_name, H, N, probs))
+        print(f"!! mixed H={H} kv={kv_name}: {probs}")
+
+    def one(x):
+        return lambda: x.run(mla_prologue, **x.extra["outs"])
+
+    def two(x):
+        a, o = list(x.args()), x.extra["outs"]
+        dec = [t[:D] if i in (0, 1, 2, 3, 5, 9) else t for i, t in enumerate(a)]
+        pre = [t[D:] if i in (0, 1, 2, 3, 5, 9) else t for i, t in enumerate(a)]
+
+        def run():
+            mla_prologue(*dec, kv_scale=x.kv_scale, out=o["out"])
+            mla_prologue(*pre, num_decode_tokens=0, kv_scale=x.kv_scale,
+                         q_pe_out=o["q_pe_out"], k_pe_out=o["k_pe_out"])
+        return run
+
+    impls = {"fused": [one(x) for x in layers], "fused_two_launches": [two(x) for x in layers],
+             "unfused": [(lambda x=x: x.run(mla_prologue_ref, **x.extra["outs"]))
+                         for x in layers],
+             "unfused_compiled": [(lambda x=x: x.run(compiled_ref, **x.extra["outs"]))
+                                  for x in layers]}
+    kv_bytes = 1 if kv_name == "fp8" else 2
+    # weights once + decode part + prefill tokens' q_pe/k_pe/kv reads and writes
+    nbytes = min_bytes(D, H, dims["P"], dims["R"], dims["L"], 2, 2, kv_bytes) + (N - D) * (
+        2 * H * dims["R"] * 2 + (dims["L"] + dims["R"]) * 2 + dims["R"] * 2
+        + (dims["L"] + dims["R"]) * kv_bytes + 16)
+    for impl, calls in impls.items():
+        try:
+            us = time_graph(calls)
+        except Exception as e:  # report, keep the other rows
+            print(f"!! mixed {impl} H={H} failed: {type(e).__name__}: {e}")
+            continue
+        gbps = nbytes / (us * 1e-6) / 1e9
+        rows.append(dict(op="mixed_prologue", impl=impl, w_dtype="bf16",
+                         kv_dtype=DTYPE_NAMES[kv_dtype], H=H, B=N, decode_tokens=D,
+                         prefill_tokens=N - D, us=round(us, 3), gbps=round(gbps, 1),
+                         pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nbytes,
+                         correct=not probs if impl == "fused" else None))
+        print(f"   mixed H={H} kv={kv_name} {impl}: {us:.2f} us")
+    del layers
+    torch.cuda.empty_cache()
 
 
 def sweep_configs(H, dims, B):
@@ -167,11 +231,14 @@ def main() -> int:
                     help="time only the fused kernel (bf16 and quantized weights)")
     ap.add_argument("--sweep", action="store_true", help="also sweep fused tile configs")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64, 512])
+    ap.add_argument("--mixed", action="store_true",
+                    help="also time 32 decode tokens + one 512-token prefill (op mixed_prologue)")
+    ap.add_argument("--mixed-only", action="store_true", help="only the mixed rows")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--plot", default=None, help="PNG path for a plot (needs matplotlib)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench_decode_prologue: needs a GPU (use `python -m fusemla demo` on a CPU)")
+        print("bench_prologue: needs a GPU (use `python -m fusemla demo` on a CPU)")
         return 2
 
     torch._dynamo.config.cache_size_limit = 256
@@ -193,7 +260,14 @@ def main() -> int:
     print(f"# {header['gpu']}  torch {header['torch']}  triton {header['triton']}  "
           f"copy bandwidth {copy_bw:.0f} GB/s")
     compiled_ref = torch.compile(mla_decode_prologue_ref, dynamic=True)
+    compiled_ref_mixed = torch.compile(mla_prologue_ref, dynamic=True)
     rows, failures, sweep_rows = [], [], []
+
+    if a.mixed or a.mixed_only:
+        for kv_name, H in itertools.product(a.kv, a.heads):
+            mixed_rows(rows, failures, H, dims, kv_name, copy_bw, compiled_ref_mixed)
+    if a.mixed_only:
+        a.batches = []
 
     for kv_name, H, B in itertools.product(a.kv, a.heads, a.batches):
         kv_dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
@@ -202,7 +276,7 @@ def main() -> int:
         chk = layers[0]
         before = chk.kv_cache.clone()
         q = fused_call(chk)()
-        probs = check_against_reference(chk, False, q, before).problems
+        probs = check_against_reference(chk, q, before).problems
         if probs:
             failures.append((kv_name, H, B, probs))
             print(f"!! H={H} B={B} kv={kv_name}: {probs}")
