@@ -29,10 +29,13 @@ SMALL_DIMS = {"H": 4, "P": 32, "R": 16, "L": 64}
 CPU_BATCHES = (1, 3, 16)
 GPU_HEADS = (128, 16)  # DeepSeek-V3 with all heads, and one tensor-parallel shard (TP=8)
 GPU_BATCHES = (1, 64, 512)
+#: (tokens, decode tokens) of the mixed decode + prefill batch each run also checks
+CPU_MIXED = (20, 6)
+GPU_MIXED = (544, 32)
 #: the authoritative timing (CUDA graphs, cold L2, many shapes); the demo's timing is a glance
-BENCH_SCRIPT = "benchmarks/bench_decode_prologue.py"
+BENCH_SCRIPT = "benchmarks/bench_prologue.py"
 
-_KERNEL_MODULE = "fusemla.ops.decode_prologue"
+_KERNEL_MODULE = "fusemla.ops.prologue.kernel"
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,7 +131,9 @@ def prepare_triton(device: str) -> None:
         os.environ.pop("TRITON_INTERPRET", None)
     mod = sys.modules.get(_KERNEL_MODULE)
     if mod is not None:
-        is_interp = type(mod.mla_decode_prologue_kernel).__name__ == "InterpretedFunction"
+        kernel = mod.mla_prologue_kernel
+        kernel = getattr(kernel, "fn", kernel)  # under the heuristics wrapper
+        is_interp = type(kernel).__name__ == "InterpretedFunction"
         if is_interp != want_interp:
             have = "the interpreter" if is_interp else "the compiler"
             raise RuntimeError(f"{_KERNEL_MODULE} was already imported for {have} in this "
@@ -168,52 +173,49 @@ class CaseResult:
     timing: str = ""
 
 
-def _label(H: int, B: int, kv_name: str) -> str:
-    return f"H={H} B={B} {kv_name} cache"
+def _label(H: int, B: int, kv_name: str, D: int | None = None) -> str:
+    split = "" if D is None else f" ({D}d+{B - D}p)"
+    return f"H={H} B={B}{split} {kv_name} cache"
 
 
-def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool) -> CaseResult:
-    """Run fused and reference on identical poisoned caches, compare, and (GPU) time both."""
+def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool,
+             D: int | None = None) -> CaseResult:
+    """Run fused and reference on identical poisoned caches, compare, and (GPU) time both.
+
+    ``D``: decode tokens of a mixed batch (the rest prefill); None = all decode."""
     import torch
 
-    from fusemla.ops.decode_prologue import mla_decode_prologue
-    from fusemla.reference import mla_decode_prologue_ref
-    from fusemla.testing import compare
-    from fusemla.testing import make_inputs
+    from fusemla.ops.prologue.api import mla_prologue
+    from fusemla.reference.prologue import mla_prologue_ref
+    from fusemla.testing import check_against_reference, make_inputs
 
     kv_name = "bf16" if kv_dtype is None else "fp8e4m3"
-    label = _label(dims["H"], B, kv_name)
+    label = _label(dims["H"], B, kv_name, D)
     g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(B, **dims, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+    inp = make_inputs(B, **dims, dtype=torch.bfloat16, kv_dtype=kv_dtype, num_decode_tokens=D,
                       pad_fraction=0.1 if B > 1 else 0.0, device=device, generator=g)
     cache_before = inp.kv_cache.clone()
     cache_ref = inp.kv_cache.clone()
-    ref_args = list(inp.args())
-    ref_args[8] = cache_ref
-
-    def fused(out=None):
-        return mla_decode_prologue(*inp.args(), kv_scale=inp.kv_scale, out=out)
-
-    def reference(out=None):
-        return mla_decode_prologue_ref(*ref_args, kv_scale=inp.kv_scale, out=out)
 
     t0 = time.perf_counter()
-    q = fused()
+    out = inp.run(mla_prologue)
     if device == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
-    q_ref = reference()
+    inp.run(mla_prologue_ref, kv_cache=cache_ref)
     if device == "cuda":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
-    result = CaseResult(label, compare(inp, q, q_ref, inp.kv_cache, cache_ref, cache_before))
+    result = CaseResult(label, check_against_reference(inp, out, cache_before))
     if not timed:
         result.time_fused, result.time_ref, result.timing = t1 - t0, t2 - t1, "interpreter"
     elif result.comparison.ok:
         # rewriting the same rows with the same values: the checked results stay valid
-        q_buf, q_ref_buf = torch.empty_like(q), torch.empty_like(q_ref)
-        result.time_fused, how = _gpu_time_ms(lambda: fused(q_buf))
-        result.time_ref, how_ref = _gpu_time_ms(lambda: reference(q_ref_buf))
+        bufs = dict(out=torch.empty_like(out.q), q_pe_out=torch.empty_like(out.q_pe),
+                    k_pe_out=torch.empty_like(out.k_pe))
+        result.time_fused, how = _gpu_time_ms(lambda: inp.run(mla_prologue, **bufs))
+        result.time_ref, how_ref = _gpu_time_ms(
+            lambda: inp.run(mla_prologue_ref, kv_cache=cache_ref, **bufs))
         result.timing = how if how == how_ref else f"{how}/{how_ref}"
     return result
 
@@ -221,13 +223,13 @@ def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool) 
 def _format_row(r: CaseResult) -> str:
     m = r.comparison.metrics
     if "q_max_abs_diff" not in m:
-        return f"  {r.label:<26} {'; '.join(r.comparison.problems)}"
+        return f"  {r.label:<32} {'; '.join(r.comparison.problems)}"
     if m.get("cache_kind") == "fp8":
-        rows = (f"{m['rows_agree']}/{m['rows_valid']} rows, codes "
-                f"{m.get('fp8_codes_equal', 0)} equal, {m.get('fp8_codes_off_by_one', 0)} +-1")
+        rows = (f"{m['rows_agree']}/{m['rows_valid']} rows, "
+                f"{m.get('fp8_codes_off_by_one', 0)} codes +-1")
     else:
         rows = f"{m['rows_agree']}/{m['rows_valid']} rows <= 1 ulp"
-    text = (f"  {r.label:<26} {m['q_max_abs_diff']:9.2e}  "
+    text = (f"  {r.label:<32} {m['q_max_abs_diff']:9.2e}  "
             f"{m['q_rel_nope']:.1e}/{m['q_rel_rope']:.1e}{'':<2}  "
             f"{m.get('cache_rel', float('nan')):.1e}  {rows:<36}")
     if r.time_fused is not None and r.timing == "interpreter":
@@ -255,11 +257,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from fusemla.testing import DEEPSEEK_V3
 
         dim_sets = [dict(DEEPSEEK_V3, H=h) for h in GPU_HEADS]
-        batches = GPU_BATCHES
+        cases = [(B, None) for B in GPU_BATCHES] + [GPU_MIXED]
     else:
         print(f"fusemla demo: {why} - running the Triton interpreter on the CPU at small dims")
         dim_sets = [dict(SMALL_DIMS)]
-        batches = CPU_BATCHES
+        cases = [(B, None) for B in CPU_BATCHES] + [CPU_MIXED]
     import triton
 
     dims_txt = ", ".join(f"{k}={v}" for k, v in dim_sets[0].items() if k != "H")
@@ -267,9 +269,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}; bf16 activations, "
           f"interleaved RoPE; H={heads}, {dims_txt}; seed {args.seed}; "
           "~10% of tokens padded (slot -1)")
-    print("fused = fusemla.mla_decode_prologue (one Triton launch), "
-          "ref = fusemla.mla_decode_prologue_ref (unfused PyTorch)")
-    header = (f"  {'case':<26} {'q max|f-r|':>9}  {'q relL2 nope/rope':<17}  "
+    print("fused = fusemla.mla_prologue (one Triton launch per batch; 'Nd+Mp' = N decode + M "
+          "prefill tokens), ref = fusemla.mla_prologue_ref (unfused PyTorch)")
+    header = (f"  {'case':<32} {'q max|f-r|':>9}  {'q relL2 nope/rope':<17}  "
               f"{'cacheL2':<7}  {'cache rows vs ref':<36}")
     if device == "cuda":
         header += f" {'fused us':>8} {'ref us':>8}  speedup"
@@ -283,16 +285,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     seed = args.seed
     for dims in dim_sets:
         for kv in kv_dtypes:
-            for B in batches:
+            for B, D in cases:
                 seed += 1
                 try:
-                    r = run_case(B, dims, kv, device, seed, timed=device == "cuda")
+                    r = run_case(B, dims, kv, device, seed, timed=device == "cuda", D=D)
                 except Exception as exc:  # noqa: BLE001 - a crash is a disagreement
                     from fusemla.testing import Comparison
 
                     traceback.print_exc()
                     kv_name = "bf16" if kv is None else "fp8e4m3"
-                    r = CaseResult(_label(dims["H"], B, kv_name),
+                    r = CaseResult(_label(dims["H"], B, kv_name, D),
                                    Comparison(problems=[f"raised {type(exc).__name__}: {exc}"]))
                 results.append(r)
                 print(_format_row(r), flush=True)

@@ -44,6 +44,7 @@ __all__ = [
     "LatentRoundTrip",
     "fp8_round_trip",
     "hf_attention_outputs",
+    "deinterleave_rope",
     "interleave_rope",
     "make_hf_attention",
     "tiny_deepseek_v3_config",
@@ -147,8 +148,10 @@ class LatentRoundTrip:
     ``DeepseekV3Attention.forward`` calls ``past_key_values.update(kv_nope, k_rot, layer_idx)``
     with the ``kv_a_layernorm`` output ``[B, 1, S, L]`` and the rotated ``k_pe`` ``[B, 1, S, R]``
     (de-interleaved, see the module note) and attends over what it returns. With ``kv_dtype`` an
-    FP8 dtype both come back through :func:`fp8_round_trip`; with None, unchanged. The latents as
-    HF computed them (before any round trip) are kept in ``kv_c`` and ``k_pe``.
+    FP8 dtype both come back through :func:`fp8_round_trip`; with None, unchanged; with
+    ``replace = (kv_c [S, L], k_pe [S, R])`` (k_pe interleaved, as in an engine's cache), those
+    instead. The latents as HF computed them (before any of this) are kept in ``kv_c`` and
+    ``k_pe`` (HF's layout: ``[1, 1, S, L]``, ``[1, 1, S, R]`` de-interleaved).
     """
 
     kv_dtype: torch.dtype | None = None
@@ -156,11 +159,22 @@ class LatentRoundTrip:
     kv_c: torch.Tensor | None = None
     k_pe: torch.Tensor | None = None
     calls: int = field(default=0)
+    #: ``(kv_c [S, L], k_pe [S, R] interleaved)``: latents HF attends over instead of its own
+    #: (e.g. the rows another implementation wrote to its cache, dequantized)
+    replace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, kv_nope: torch.Tensor, k_rot: torch.Tensor, layer_idx: int = 0,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls += 1
         self.kv_c, self.k_pe = kv_nope.detach().clone(), k_rot.detach().clone()
+        if self.replace is not None:
+            kv_c, k_pe = self.replace
+            if kv_c.shape != kv_nope.shape[2:] or k_pe.shape != k_rot.shape[2:]:
+                raise ValueError(f"LatentRoundTrip.replace: expected kv_c "
+                                 f"{list(kv_nope.shape[2:])} and k_pe {list(k_rot.shape[2:])}, "
+                                 f"got {list(kv_c.shape)} and {list(k_pe.shape)}")
+            return (kv_c.to(kv_nope.dtype).expand_as(kv_nope),
+                    deinterleave_rope(k_pe).to(k_rot.dtype).expand_as(k_rot))
         if self.kv_dtype is None:
             return kv_nope, k_rot
         if self.kv_scale is None:
@@ -205,3 +219,9 @@ def interleave_rope(x: torch.Tensor) -> torch.Tensor:
     order ``(x[0], x[R/2], x[1], x[R/2 + 1], ...)`` (the engines' cache layout)."""
     half = x.shape[-1] // 2
     return torch.stack((x[..., :half], x[..., half:]), dim=-1).flatten(-2)
+
+
+def deinterleave_rope(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave_rope`: DeepSeek's interleaved rope dims to HF's
+    ``[evens, odds]`` layout."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
