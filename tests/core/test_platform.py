@@ -16,6 +16,8 @@ from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.platform import (
     PlatformInfo,
     choose_fp8_activations,
+    choose_prologue_variant,
+    mxfp4_tiles_fit,
     choose_mxfp4_path,
     default_fp8_weight_dtype,
     detect,
@@ -510,3 +512,48 @@ def test_import_does_not_import_triton():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# choose_prologue_variant: the one decision the launcher, the reference and `info` share
+# --------------------------------------------------------------------------------------------
+
+
+def test_prologue_variant_plain_and_fp8(monkeypatch):
+    monkeypatch.delenv("FUSEMLA_FP8_ACTIVATIONS", raising=False)
+    v = choose_prologue_variant(H200(), weight_format="plain", num_tokens=64)
+    assert (v.weight_format, v.fp8_activations, v.mxfp4_path) == ("plain", False, None)
+    assert v.kernel_flags == (0, False, False)
+    v = choose_prologue_variant(H200(), weight_format="fp8", num_tokens=512)
+    assert v.kernel_flags == (1, choose_fp8_activations(H200(), 512), False)
+    v = choose_prologue_variant(H200(), weight_format="fp8", num_tokens=1, fp8_activations=True)
+    assert v.kernel_flags == (1, True, False)  # the caller's explicit choice wins
+    with pytest.raises(FuseMLAValueError, match="weight_format"):
+        choose_prologue_variant(H200(), weight_format="int4", num_tokens=1)
+
+
+@pytest.mark.parametrize("P,L,block_l,fits", [(128, 512, 128, True), (128, 512, 256, True),
+                                              (96, 512, 128, False), (64, 48, 32, False),
+                                              (16, 64, 32, False)])
+def test_mxfp4_tiles_fit(P, L, block_l, fits):
+    assert mxfp4_tiles_fit(P, L, block_l) is fits
+
+
+def test_prologue_variant_mxfp4(monkeypatch):
+    sm100 = platform_from("cuda", "sm_100")
+    monkeypatch.delenv("FUSEMLA_MXFP4_PATH", raising=False)
+    dims = dict(P=128, L=512, block_l=128)
+    assert choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1,
+                                   **dims).kernel_flags == (2, False, True)
+    assert choose_prologue_variant(H200(), weight_format="mxfp4", num_tokens=1,
+                                   **dims).mxfp4_path == "dequant"
+    # auto on a native-FP4 chip with tiles tl.dot_scaled cannot take: dequant, by design
+    odd = dict(P=96, L=512, block_l=128)
+    assert choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1,
+                                   **odd).mxfp4_path == "dequant"
+    # forced: raises instead of downgrading silently
+    monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "dot_scaled")
+    with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled.*P=96"):
+        choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1, **odd)
+    with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled"):
+        choose_prologue_variant(H200(), weight_format="mxfp4", num_tokens=1, **dims)
