@@ -299,6 +299,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 results.append(r)
                 print(_format_row(r), flush=True)
 
+    print("layer: fusemla.MLAAttention, a few engine steps (decode-first mixed batches, shuffled "
+          "paged cache), fused vs unfused (MLAConfig(False, False)); attention in PyTorch")
+    layer_problems = []
+    from fusemla import demo_layer
+
+    for kv_fp8 in (False, True):
+        try:
+            lr = demo_layer.run(device, args.seed, kv_fp8)
+        except Exception as exc:  # noqa: BLE001 - a crash is a disagreement
+            traceback.print_exc()
+            lr = demo_layer.LayerDemoResult(problems=[f"raised {type(exc).__name__}: {exc}"])
+        for line in lr.lines:
+            print(line, flush=True)
+        layer_problems += lr.problems
+
     failed = [r for r in results if not r.comparison.ok]
     if device == "cuda":
         print("timing: median per call (CUDA-graph replay where capture works, else eager "
@@ -307,14 +322,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print("timing: none - the interpreter's wall time says nothing about GPU speed; "
               f"{BENCH_SCRIPT} on a GPU is the authoritative measure")
-    if failed:
-        print(f"DISAGREEMENT in {len(failed)} of {len(results)} cases:")
+    if failed or layer_problems:
+        print(f"DISAGREEMENT in {len(failed)} of {len(results)} prologue cases and "
+              f"{len(layer_problems)} layer steps:")
         for r in failed:
             for p in r.comparison.problems:
                 print(f"  {r.label}: {p}")
+        for p in layer_problems:
+            print(f"  {p}")
         return 1
-    print(f"all {len(results)} cases agree: q within 1 ulp of the reference, cache rows within "
-          "1 ulp (bf16) / 1 code (fp8), other rows untouched")
+    print(f"all {len(results)} prologue cases agree: q within 1 ulp of the reference, cache rows "
+          "within 1 ulp (bf16) / 1 code (fp8), other rows untouched; every layer step agrees")
     return 0
 
 
