@@ -176,7 +176,7 @@ def compare(inp: PrologueInputs, out: Any, out_ref: Any, cache: torch.Tensor,
         for name, got, want, x, c, s, ref64 in (
                 ("q_pe_out", q_pe_out, q_pe_ref, inp.q_pe[D:], cos[D:, None], sin[D:, None],
                  model["q_pe"][D:]),
-                ("k_pe_out", k_pe_out, k_pe_ref, inp.k_pe.reshape(N, -1)[D:], cos[D:], sin[D:],
+                ("k_pe_out", k_pe_out, k_pe_ref, inp.k_pe.reshape(N, R)[D:], cos[D:], sin[D:],
                  model["k_pe"][D:])):
             got, want = got.detach().float().cpu(), want.detach().float().cpu()
             slack = 0.0 if rope_applied else 4 * acc * _rope_magnitude(x.cpu(), c, s, is_neox)
@@ -258,7 +258,7 @@ def _compare_cache(res: Comparison, inp: PrologueInputs, cache, cache_ref, cache
         if float(got.float().abs().max()) > torch.finfo(cache.dtype).max:
             problems.append("cache: FP8 values beyond the format's max (not saturated)")
     else:
-        k_pe = inp.k_pe.reshape(N, -1).cpu()
+        k_pe = inp.k_pe.reshape(N, inp.q_pe.shape[-1]).cpu()
         s_k = (torch.zeros(k_pe.shape) if rope_applied
                else _rope_magnitude(k_pe, cos, sin, is_neox))[valid]
         ok = _within_ulp(got[:, L:], want[:, L:], cache.dtype, 4 * 2.0 ** -24 * s_k)

@@ -42,22 +42,23 @@ __all__ = [
     "TINY_DIMS",
     "HFAttention",
     "LatentRoundTrip",
+    "causal_mask",
+    "deinterleave_rope",
     "fp8_round_trip",
     "hf_attention_outputs",
-    "deinterleave_rope",
     "interleave_rope",
     "make_hf_attention",
     "tiny_deepseek_v3_config",
 ]
 
 #: small MLA dims: hidden 64, H=4 heads, P=32 (qk_nope), R=16 (qk_rope), L=64 (kv_lora), V=32
-TINY_DIMS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                 qk_nope_head_dim=32, qk_rope_head_dim=16, kv_lora_rank=64, v_head_dim=32)
+TINY_DIMS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "kv_lora_rank": 64, "v_head_dim": 32}
 
 #: DeepSeek-V3's RoPE settings (its config.json), in transformers 5's ``rope_parameters`` form
-DEEPSEEK_V3_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
-                        original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                        mscale=1.0, mscale_all_dim=1.0)
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                    "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def tiny_deepseek_v3_config(*, q_lora_rank: int | None = 48,

@@ -173,7 +173,7 @@ def prologue_model_f64(inp: PrologueInputs, is_neox: bool, rope_applied: bool = 
     pos = inp.positions.long().clamp(0, inp.cos_cache.shape[0] - 1)
     cos = inp.cos_cache.double()[pos]
     sin = inp.sin_cache.double()[pos]
-    k_pe = inp.k_pe.reshape(inp.k_pe.shape[0], -1)
+    k_pe = inp.k_pe.reshape(inp.k_pe.shape[0], inp.q_pe.shape[-1])
     if rope_applied:
         q_pe, k_rot = inp.q_pe.double(), k_pe.double()
     else:

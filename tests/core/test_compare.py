@@ -159,3 +159,12 @@ def test_compare_prefill_outputs():
     unrotated = inp.k_pe[3:].clone()
     res = compare(inp, (out.q, out.q_pe, unrotated), out_ref, cache, cache_ref, before)
     assert any(p.startswith("k_pe_out") for p in res.problems), res.problems
+
+
+@pytest.mark.parametrize("D", [None, 0])
+def test_compare_empty_batch(D):
+    from fusemla.testing import run_and_compare
+
+    res = run_and_compare(mla_prologue_ref, make_inputs(0, **SMALL, num_decode_tokens=D))
+    assert res.ok, res.problems
+    assert res.metrics["rows_valid"] == 0
