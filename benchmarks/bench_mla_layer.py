@@ -23,13 +23,15 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import commit_id, time_graph  # noqa: E402
 
 from fusemla.config import MLAConfig  # noqa: E402
 from fusemla.layers.mla import MLAAttention  # noqa: E402
@@ -62,25 +64,6 @@ def random_state_dict(cfg: dict, g: torch.Generator) -> dict:
             "o_proj.weight": w(hid, H * V)}
 
 
-def time_graph(calls, rep: int = 100) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median")
-    del g
-    return ms * 1e3 / len(calls)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
@@ -91,11 +74,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_mla_layer: needs a GPU")
         return 2
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        commit = os.environ.get("FUSEMLA_COMMIT", "unknown")
+    commit = commit_id()
     header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, python=platform.python_version(), commit=commit,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -151,7 +130,7 @@ def main() -> int:
                         return run
                     try:
                         with torch.no_grad():
-                            us = time_graph([make(s) for s in steps])
+                            us = time_graph([make(s) for s in steps], rep=100, warmup=10)
                     except Exception as e:  # report, keep the other rows
                         print(f"!! {op} {impl} H={H} B={B} ctx={ctx}: {type(e).__name__}: {e}")
                         continue

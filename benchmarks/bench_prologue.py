@@ -29,13 +29,15 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import commit_id, time_graph  # noqa: E402
 
 from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue  # noqa: E402
 from fusemla.ops.prologue.args import prepare  # noqa: E402
@@ -69,26 +71,6 @@ def min_bytes(B: int, H: int, P: int, R: int, L: int, act_bytes: int, w_bytes: f
     reads = B * H * (P + R) * act_bytes + B * (L + R) * act_bytes + B * 16 + B * R * 4
     writes = B * H * (L + R) * act_bytes + B * (L + R) * kv_bytes
     return int(weights + reads + writes)
-
-
-def time_graph(calls, rep: int = 250) -> float:
-    """µs per call: capture all calls in one CUDA graph, replay, median, divide."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(g.replay, warmup=25, rep=rep, return_mode="median")
-    del g
-    return ms * 1e3 / len(calls)
 
 
 def layer_inputs(B, H, dims, kv_dtype, seed):
@@ -246,11 +228,7 @@ def main() -> int:
         torch._dynamo.config.recompile_limit = 256
     dims = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
     copy_bw = copy_bandwidth_gbps()
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        commit = os.environ.get("FUSEMLA_COMMIT", "unknown")
+    commit = commit_id()
     header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, python=platform.python_version(), commit=commit,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -101,7 +101,7 @@ def weight_kind(w: Any, fp8_activations: bool = False) -> str:
 def compare(inp: PrologueInputs, out: Any, out_ref: Any, cache: torch.Tensor,
             cache_ref: torch.Tensor, cache_before: torch.Tensor, *, is_neox: bool = False,
             rope_applied: bool = False, w_uk_t: Any = None, fp8_activations: bool = False,
-            fp8_code_slack: Optional[int] = None) -> Comparison:
+            fp8_code_slack: int | None = None) -> Comparison:
     """Check a fused result against the reference's on the same inputs.
 
     ``out`` / ``out_ref``: a :class:`~fusemla.ops.prologue.args.PrologueOutput` (or just the
