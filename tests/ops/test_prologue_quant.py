@@ -17,10 +17,12 @@ from fusemla.quant import QuantizedWeight, quantize_fp8_weight, quantize_mxfp4_w
 from fusemla.reference.prologue import mla_decode_prologue_ref
 from fusemla.testing import (
     DEEPSEEK_V3,
+    TOL,
     make_inputs,
     rel_err,
     run_and_compare,
     stable_seed,
+    weight_kind,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -90,7 +92,7 @@ def test_fp8_query_output(device, weights, scale_kind):
     q_bf16 = mla_decode_prologue_ref(*inp.args(), kv_scale=inp.kv_scale, out=None)
     deq = q.float().cpu() * q_scale
     ref = q_bf16.float().cpu().clamp(-448 * q_scale, 448 * q_scale)
-    tol = {"bf16": 0.05, "fp8-head": 0.08, "mxfp4": 0.25}[weights]
+    tol = TOL["fp8_q_dequant_rel_l2"][weight_kind(w)]
     L = inp.kv_c.shape[1]
     for part in (slice(0, L), slice(L, None)):
         assert rel_err(deq[..., part], ref[..., part]) < tol
