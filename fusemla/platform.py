@@ -471,4 +471,8 @@ def report_lines(info: PlatformInfo) -> list[str]:
     lines.append(f"  auto FP8 activations: {threshold}")
     lines.append("  env: " + _env_line(config.FP8_ACTIVATIONS_ENV, config.fp8_activations_mode))
     lines.append("  env: " + _env_line(config.MXFP4_PATH_ENV, config.mxfp4_path_mode))
+    lines.append("  env: " + _env_line(config.FUSED_DECODE_ENV, config.fused_decode)
+                 + " (MLAAttention: fused decode prologue)")
+    lines.append("  env: " + _env_line(config.FUSED_PREFILL_ENV, config.fused_prefill)
+                 + " (MLAAttention: fused prefill prologue)")
     return lines

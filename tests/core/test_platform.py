@@ -557,3 +557,11 @@ def test_prologue_variant_mxfp4(monkeypatch):
         choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1, **odd)
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled"):
         choose_prologue_variant(H200(), weight_format="mxfp4", num_tokens=1, **dims)
+
+
+def test_report_shows_the_layer_flags(monkeypatch):
+    monkeypatch.setenv("FUSEMLA_FUSED_PREFILL", "off")
+    monkeypatch.setenv("FUSEMLA_FUSED_DECODE", "maybe")
+    text = "\n".join(report_lines(H200()))
+    assert "FUSEMLA_FUSED_PREFILL: 'off' -> False" in text
+    assert "FUSEMLA_FUSED_DECODE: INVALID" in text  # reported, never raised
