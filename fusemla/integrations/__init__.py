@@ -1,2 +1,2 @@
 """Engine integrations. Each engine's glue lives in its own module here and imports the engine
-lazily; nothing else in fusemla imports this package (the vLLM plugin is the next piece)."""
+lazily; nothing else in fusemla imports this package. ``vllm``: the vLLM plugin."""
