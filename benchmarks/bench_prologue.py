@@ -122,6 +122,55 @@ def fused_call(inp, cfg=None):
     return lambda: launch(args, cfg)
 
 
+def pdl_rows(rows, failures, H, B, dims):
+    """Per layer: a Triton producer writes the prologue's inputs (as torch.compile's RMSNorm
+    kernel or a fused activation kernel would), then the prologue; PDL on vs off. The producer
+    launches its dependents early, so with PDL the prologue loads W_UK while it runs."""
+    from fusemla.ops.pdl_probe import produce
+
+    g = torch.Generator().manual_seed(9000 + H + B)
+    layers = []
+    for _ in range(LAYERS):
+        inp = make_inputs(B, H=H, **dims, block_size=64, device="cuda", generator=g)
+        q_base, kv_base = inp.q_nope._base, inp.kv_c._base
+        inp.extra.update(q_base=q_base, kv_base=kv_base, q_src=q_base.clone(),
+                         kv_src=kv_base.clone(), out=torch.empty(
+                             B, H, dims["L"] + dims["R"], dtype=torch.bfloat16, device="cuda"))
+        layers.append(inp)
+
+    def call(x, pdl, with_prologue=True):
+        def run():
+            produce(x.extra["q_src"], x.extra["q_base"], 1.0, pdl=pdl)
+            produce(x.extra["kv_src"], x.extra["kv_base"], 1.0, pdl=pdl)
+            if with_prologue:
+                x.run(mla_prologue, out=x.extra["out"])
+        return run
+
+    for impl, pdl, full in (("producers_only", False, False), ("chain_no_pdl", False, True),
+                            ("chain_pdl", True, True)):
+        os.environ["FUSEMLA_PDL"] = "on" if pdl else "off"
+        try:
+            chk = layers[0]
+            before = chk.kv_cache.clone()
+            call(chk, pdl, full)()
+            if full:
+                probs = check_against_reference(chk, chk.extra["out"], before).problems
+                if probs:
+                    failures.append(("pdl", H, B, probs))
+                    print(f"!! pdl chain H={H} B={B} {impl}: {probs}")
+            us = time_graph([call(x, pdl, full) for x in layers])
+        except Exception as e:  # report, keep the other rows
+            print(f"!! pdl chain {impl} H={H} B={B}: {type(e).__name__}: {e}")
+            continue
+        finally:
+            os.environ.pop("FUSEMLA_PDL", None)
+        rows.append(dict(op="pdl_chain", impl=impl, w_dtype="bf16", kv_dtype="bf16", H=H, B=B,
+                         us=round(us, 3)))
+        print(f"   pdl chain H={H} B={B} {impl}: {us:.2f} us")
+    del layers
+    torch.cuda.empty_cache()
+
+
 MIXED_DECODE, MIXED_PREFILL = 32, 512
 
 
@@ -216,6 +265,8 @@ def main() -> int:
     ap.add_argument("--mixed", action="store_true",
                     help="also time 32 decode tokens + one 512-token prefill (op mixed_prologue)")
     ap.add_argument("--mixed-only", action="store_true", help="only the mixed rows")
+    ap.add_argument("--pdl-chain", action="store_true",
+                    help="only: producer kernel + prologue per layer, PDL on vs off (op pdl_chain)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--plot", default=None, help="PNG path for a plot (needs matplotlib)")
     a = ap.parse_args()
@@ -241,6 +292,10 @@ def main() -> int:
     compiled_ref_mixed = torch.compile(mla_prologue_ref, dynamic=True)
     rows, failures, sweep_rows = [], [], []
 
+    if a.pdl_chain:
+        for H, B in itertools.product(a.heads, a.batches):
+            pdl_rows(rows, failures, H, B, dims)
+        a.batches = []
     if a.mixed or a.mixed_only:
         for kv_name, H in itertools.product(a.kv, a.heads):
             mixed_rows(rows, failures, H, dims, kv_name, copy_bw, compiled_ref_mixed)

@@ -41,6 +41,12 @@
     Under ``torch.compile`` both are read when the layer is traced (dynamo does not guard on
     them): set them before compiling, or use :class:`MLAConfig`.
 
+``FUSEMLA_PDL`` = ``auto`` (default) | ``on`` | ``off``
+    Programmatic dependent launch of the prologue kernel (NVIDIA sm_90+, Triton >= 3.4): the
+    kernel may start while the kernel before it still runs, loading its weights early.
+    ``auto``: on where supported (:func:`fusemla.platform.choose_pdl`); ``on`` where
+    unsupported raises; ``off``: plain launches.
+
 Empty values count as unset; values are case-insensitive and surrounding blanks are ignored.
 """
 
@@ -106,6 +112,17 @@ def fp8_activations_mode() -> str:
     """
     return _env_choice(FP8_ACTIVATIONS_ENV, _FP8_ACT_MODES,
                        "auto, on/1/true/yes or off/0/false/no")
+
+
+PDL_ENV = "FUSEMLA_PDL"
+
+
+def pdl_mode() -> str:
+    """``FUSEMLA_PDL`` normalized to "auto" | "on" | "off" (unset or empty: "auto").
+
+    Raises :class:`~fusemla.errors.FuseMLAValueError` naming the variable for any other value.
+    """
+    return _env_choice(PDL_ENV, _FP8_ACT_MODES, "auto, on/1/true/yes or off/0/false/no")
 
 
 def mxfp4_path_mode() -> str:

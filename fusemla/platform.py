@@ -38,8 +38,10 @@ __all__ = [
     "FP8_ACT_MIN_BATCH",
     "PlatformInfo",
     "PrologueVariant",
+    "choose_pdl",
     "choose_prologue_variant",
     "mxfp4_tiles_fit",
+    "supports_pdl",
     "choose_fp8_activations",
     "choose_mxfp4_path",
     "clear_cache",
@@ -406,6 +408,42 @@ def choose_prologue_variant(info: PlatformInfo, *, weight_format: str, num_token
     return PrologueVariant("mxfp4", False, path)
 
 
+def supports_pdl(info: PlatformInfo) -> bool:
+    """Programmatic dependent launch: NVIDIA compute capability >= 9.0 and Triton >= 3.4
+    (``launch_pdl`` and ``gdc_wait``); never under the interpreter or on ROCm."""
+    _check_info(info)
+    if info.backend != "cuda":
+        return False
+    major, _ = _sm_capability(info.arch)
+    try:
+        tv = tuple(int(x) for x in (info.triton_version or "0.0").split(".")[:2])
+    except ValueError:
+        tv = (0, 0)
+    return major >= 9 and tv >= (3, 4)
+
+
+def choose_pdl(info: PlatformInfo) -> bool:
+    """Whether the prologue kernel is launched with programmatic dependent launch.
+
+    ``FUSEMLA_PDL`` = "auto" (default): :func:`supports_pdl`; "off": never; "on": required,
+    raising where unsupported.
+
+    Raises:
+        FuseMLAValueError: an invalid value, or "on" where PDL is not supported.
+    """
+    mode = config.pdl_mode()
+    if mode == "off":
+        return False
+    ok = supports_pdl(info)
+    if mode == "on" and not ok:
+        where = f"{info.backend} {info.arch}" if info.arch else info.backend
+        raise FuseMLAValueError(
+            f"environment variable {config.PDL_ENV}=on cannot be used on {where}: programmatic "
+            "dependent launch needs an NVIDIA GPU of compute capability >= 9.0 and Triton >= 3.4. "
+            "Unset it or set it to 'off'")
+    return ok
+
+
 def default_fp8_weight_dtype(info: PlatformInfo) -> torch.dtype:
     """The FP8 dtype to store weights in for ``info`` (= ``info.fp8_dtype``)."""
     return _check_info(info).fp8_dtype
@@ -471,6 +509,12 @@ def report_lines(info: PlatformInfo) -> list[str]:
     lines.append(f"  auto FP8 activations: {threshold}")
     lines.append("  env: " + _env_line(config.FP8_ACTIVATIONS_ENV, config.fp8_activations_mode))
     lines.append("  env: " + _env_line(config.MXFP4_PATH_ENV, config.mxfp4_path_mode))
+    try:
+        pdl = "on" if choose_pdl(info) else "off"
+    except FuseMLAValueError as exc:
+        pdl = f"error: {exc}"
+    lines.append(f"  programmatic dependent launch: {pdl}")
+    lines.append("  env: " + _env_line(config.PDL_ENV, config.pdl_mode))
     lines.append("  env: " + _env_line(config.FUSED_DECODE_ENV, config.fused_decode)
                  + " (MLAAttention: fused decode prologue)")
     lines.append("  env: " + _env_line(config.FUSED_PREFILL_ENV, config.fused_prefill)

@@ -26,7 +26,7 @@ from fusemla.platform import (
 )
 
 E4M3FN, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
-ENV_VARS = ("FUSEMLA_FP8_ACTIVATIONS", "FUSEMLA_MXFP4_PATH")
+ENV_VARS = ("FUSEMLA_FP8_ACTIVATIONS", "FUSEMLA_MXFP4_PATH", "FUSEMLA_PDL")
 
 
 @pytest.fixture(autouse=True)
@@ -565,3 +565,22 @@ def test_report_shows_the_layer_flags(monkeypatch):
     text = "\n".join(report_lines(H200()))
     assert "FUSEMLA_FUSED_PREFILL: 'off' -> False" in text
     assert "FUSEMLA_FUSED_DECODE: INVALID" in text  # reported, never raised
+
+
+def test_pdl_choice(monkeypatch):
+    monkeypatch.delenv("FUSEMLA_PDL", raising=False)
+    h200 = platform_from("cuda", "sm_90")
+    ok = plat.supports_pdl(h200)
+    assert ok is (tuple(int(x) for x in h200.triton_version.split(".")[:2]) >= (3, 4))
+    assert plat.supports_pdl(platform_from("cuda", "sm_89")) is False
+    assert plat.supports_pdl(platform_from("rocm", "gfx942")) is False
+    assert plat.supports_pdl(platform_from("interpreter")) is False
+    assert plat.choose_pdl(h200) is ok
+    monkeypatch.setenv("FUSEMLA_PDL", "off")
+    assert plat.choose_pdl(h200) is False
+    monkeypatch.setenv("FUSEMLA_PDL", "on")
+    with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_PDL=on.*sm_89"):
+        plat.choose_pdl(platform_from("cuda", "sm_89"))
+    monkeypatch.setenv("FUSEMLA_PDL", "sometimes")
+    with pytest.raises(FuseMLAValueError, match="FUSEMLA_PDL"):
+        plat.choose_pdl(h200)

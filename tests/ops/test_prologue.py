@@ -426,3 +426,50 @@ def test_decode_alias_equals_mla_prologue(device):
     q3 = mla_decode_prologue_ref(*inp.args()[:8], inp.kv_cache.clone(), inp.slot_mapping)
     assert torch.equal(q1, q2) and q1.shape == q3.shape
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["on", "off"])
+def test_pdl_behind_a_triton_producer_in_a_cuda_graph(device, pdl, monkeypatch):
+    """A producer writes the prologue's inputs right before it, inside a CUDA graph; with PDL the
+    prologue starts early. Replays with new inputs must never see stale ones."""
+    from fusemla import platform
+    from fusemla.ops.pdl_probe import produce
+
+    if pdl == "on" and not platform.supports_pdl(platform.detect(device)):
+        pytest.skip("no programmatic dependent launch here")
+    monkeypatch.setenv("FUSEMLA_PDL", pdl)
+    g = _gen("pdl", pdl)
+    N, D, H = 96, 80, 16
+    inp = make_inputs(N, **_dims(device, H), num_decode_tokens=D, device=device, generator=g)
+    q_base = inp.q_nope._base if inp.q_nope._base is not None else inp.q_nope
+    kv_base = inp.kv_c._base if inp.kv_c._base is not None else inp.kv_c
+    srcs = [torch.empty_like(q_base), torch.empty_like(kv_base)]
+    L, R = inp.kv_c.shape[1], inp.q_pe.shape[2]
+    outs = dict(out=torch.empty(D, H, L + R, dtype=torch.bfloat16, device=device),
+                q_pe_out=torch.empty(N - D, H, R, dtype=torch.bfloat16, device=device),
+                k_pe_out=torch.empty(N - D, R, dtype=torch.bfloat16, device=device))
+
+    def step():
+        produce(srcs[0], q_base, 1.0, pdl=pdl == "on")
+        produce(srcs[1], kv_base, 1.0, pdl=pdl == "on")
+        inp.run(mla_prologue, **outs)
+
+    for s in srcs:
+        s.copy_(torch.randn(s.shape, generator=g).to(s.dtype))
+    step()  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        for s in srcs:
+            s.copy_(torch.randn(s.shape, generator=g).to(s.dtype))
+        q_base.fill_(float("nan"))  # stale inputs would show as NaN or old values
+        kv_base.fill_(float("nan"))
+        before = inp.kv_cache.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        res = check_against_reference(inp, (outs["out"], outs["q_pe_out"], outs["k_pe_out"]),
+                                      before)
+        res.assert_ok()

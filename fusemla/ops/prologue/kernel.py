@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fusemla.ops.triton_helpers import (
     cast_rne,
@@ -127,7 +128,7 @@ def _bmm_program(
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     W_FMT: tl.constexpr, W_CODE: tl.constexpr, MX_NATIVE: tl.constexpr, ACT_FP8: tl.constexpr,
     Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, A_FMT: tl.constexpr,
-    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """q[t, h, l-tile] = q_nope[t, h] @ W_UK_T[h][:, l-tile] for the chunk's decode tokens, as
     tensor-core dots of [BLOCK_T, P] x [P, BLOCK_L] tiles (BLOCK_T >= 16).
@@ -155,6 +156,10 @@ def _bmm_program(
     w_scale = 1.0
     if W_FMT == 1:
         w_scale = tl.load(p_ws + i_h * s_ws_h).to(tl.float32)
+    if USE_PDL:
+        # weights are never written by the kernel before us: they were loaded while it ran;
+        # everything else (activations, scales, outputs) only after it has completed
+        gdc_wait()
     q_scale = _scale(p_qs, q_scale_value, Q_SCALE_PTR)
     if W_CODE == 1:
         W_FP8_MAX: tl.constexpr = 448.0
@@ -274,19 +279,29 @@ def mla_prologue_kernel(
     BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr, ROPE_ROWS: tl.constexpr,
     IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
     W_FMT: tl.constexpr, W_CODE: tl.constexpr, MX_NATIVE: tl.constexpr, ACT_FP8: tl.constexpr,
-    A_FMT: tl.constexpr, DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr,
+    A_FMT: tl.constexpr, DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
     KV_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr,
 ):
     """Programs in order: n_bmm BMM tiles (decode tokens), n_rope_d decode q-RoPE row tiles,
-    n_rope_p prefill q-RoPE row tiles, N cache rows (every token)."""
+    n_rope_p prefill q-RoPE row tiles, N cache rows (every token).
+
+    ``USE_PDL`` (programmatic dependent launch, sm_90+): the kernel may start while the kernel
+    before it still runs; BMM programs load their weight tile first and every program waits
+    (``gdc_wait``) before reading anything else or writing; the kernel after it may be launched
+    at once (``gdc_launch_dependents``) and must wait for this one's results itself.
+    """
     pid = tl.program_id(0)
+    if USE_PDL:
+        gdc_launch_dependents()
+        if pid >= n_bmm:
+            gdc_wait()
     if pid < n_bmm:
         _bmm_program(
             pid, D, tokens_per_chunk, n_chunks,
             p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
             p_q, s_q_t, s_q_h, p_q_scale, q_scale_value,
             P, L, BLOCK_P, BLOCK_L, BLOCK_T, W_FMT, W_CODE, MX_NATIVE, ACT_FP8,
-            Q_FP8, Q_SCALE_PTR, A_FMT, DOT_FP32, FIX_BF16,
+            Q_FP8, Q_SCALE_PTR, A_FMT, DOT_FP32, FIX_BF16, USE_PDL,
         )
     elif pid < n_bmm + n_rope_d:
         _rope_q_program(

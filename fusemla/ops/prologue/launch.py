@@ -92,6 +92,8 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     p_kv_scale, kv_scale_value = _scale_args(args.kv_scale)
     p_q_scale, q_scale_value = _scale_args(args.q_scale)
     interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
+    pdl = platform.choose_pdl(platform.detect(args.q_nope.device))
+    launch_opts = {"launch_pdl": True} if pdl else {}
     qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
     grid = (n_bmm + n_rope_d + n_rope_p + N,)
@@ -123,8 +125,8 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         KV_FP8=fp8_code(cache.dtype), Q_FP8=fp8_code(q.dtype),
         W_FMT=w_fmt, W_CODE=fp8_code(w_data.dtype), MX_NATIVE=mx_native, ACT_FP8=act_fp8,
         A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
-        DOT_FP32=interp, FIX_BF16=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_opts,
     )
 
 
