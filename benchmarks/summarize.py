@@ -38,6 +38,8 @@ def main(paths: list[str]) -> None:
             print_mixed(rows)
         if "mla_decode_step" in ops:
             print_layer(rows)
+        if "pdl_chain" in ops:
+            print_pdl(rows)
         print()
 
 
@@ -110,6 +112,20 @@ def print_layer(rows: list) -> None:
         print(f"| {H} | {B} | {ctx} | {f:.1f} | {u:.1f} | {u - f:.1f} | "
               f"{v['mla_decode_latent', 'fused']['us']:.1f} | "
               f"{v['mla_decode_latent', 'unfused']['us']:.1f} |")
+
+
+def print_pdl(rows: list) -> None:
+    print("\n| H | B | two Triton producers alone | producers + prologue, PDL off | PDL on "
+          "| saved |")
+    print("|---|---|---|---|---|---|")
+    for H, B in sorted({(r["H"], r["B"]) for r in rows if r["op"] == "pdl_chain"}):
+        v = {i: _pick(rows, op="pdl_chain", impl=i, H=H, B=B)
+             for i in ("producers_only", "chain_no_pdl", "chain_pdl")}
+        if any(x is None for x in v.values()):
+            continue
+        off, on = v["chain_no_pdl"]["us"], v["chain_pdl"]["us"]
+        print(f"| {H} | {B} | {v['producers_only']['us']:.2f} | {off:.2f} | {on:.2f} | "
+              f"{off - on:.2f} |")
 
 
 if __name__ == "__main__":
