@@ -39,6 +39,9 @@ def _vllm_missing() -> str | None:
 
 
 _MISSING = _vllm_missing()
+if _MISSING is not None and os.environ.get("FUSEMLA_REQUIRE_VLLM") == "1":
+    # CI's vLLM step sets this: there a missing or broken vLLM is a failure, not a skip
+    raise RuntimeError(f"FUSEMLA_REQUIRE_VLLM=1 but {_MISSING}")
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 HERE = Path(__file__).resolve().parent
