@@ -34,34 +34,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import commit_id, time_graph  # noqa: E402
 
 from fusemla.config import MLAConfig  # noqa: E402
+from fusemla.demo_layer import deepseek_v3_config, random_weights  # noqa: E402
 from fusemla.layers.mla import MLAAttention  # noqa: E402
 from fusemla.metadata import BlockAllocator, RequestStep, build_metadata  # noqa: E402
 
 LAYERS = 8
 BLOCK_SIZE = 64
-
-
-def deepseek_config(H: int) -> dict:
-    """DeepSeek-V3 attention dims with H heads (H=16: one tensor-parallel-8 shard)."""
-    return dict(hidden_size=7168, num_attention_heads=H, q_lora_rank=1536, kv_lora_rank=512,
-                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                max_position_embeddings=163840, rope_theta=10000.0, rope_interleave=True,
-                rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                                  beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
-
-
-def random_state_dict(cfg: dict, g: torch.Generator) -> dict:
-    H, hid = cfg["num_attention_heads"], cfg["hidden_size"]
-    P, R, V = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    L, QL = cfg["kv_lora_rank"], cfg["q_lora_rank"]
-
-    def w(n_out, n_in):
-        return (torch.randn(n_out, n_in, generator=g) * n_in ** -0.5).to(torch.bfloat16)
-
-    return {"q_a_proj.weight": w(QL, hid), "q_a_layernorm.weight": torch.ones(QL),
-            "q_b_proj.weight": w(H * (P + R), QL), "kv_a_proj_with_mqa.weight": w(L + R, hid),
-            "kv_a_layernorm.weight": torch.ones(L), "kv_b_proj.weight": w(H * (P + V), L),
-            "o_proj.weight": w(hid, H * V)}
 
 
 def main() -> int:
@@ -85,11 +63,10 @@ def main() -> int:
     rows, failures = [], []
     fused_cfg, unfused_cfg = MLAConfig(True, True), MLAConfig(False, False)
     for H in a.heads:
-        cfg = deepseek_config(H)
+        cfg = deepseek_v3_config(H)
         g = torch.Generator().manual_seed(H)
-        layers = [MLAAttention.from_state_dict(
-            {k: v.cuda() for k, v in random_state_dict(cfg, g).items()}, cfg, max_position=8192)
-            for _ in range(LAYERS)]
+        layers = [MLAAttention.from_state_dict(random_weights(cfg, g, torch.bfloat16, "cuda"),
+                                               cfg, max_position=8192) for _ in range(LAYERS)]
         for B, ctx in itertools.product(a.batches, a.contexts):
             blocks = B * (ctx // BLOCK_SIZE + 2) + 4
             alloc = BlockAllocator(blocks, BLOCK_SIZE, seed=B + ctx)

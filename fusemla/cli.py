@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # pragma: no cover - the CLI imports torch only when a comman
     from fusemla.testing import Comparison
 
 #: dims for the interpreter run (no GPU): small enough to finish in about a second
-SMALL_DIMS = {"H": 4, "P": 32, "R": 16, "L": 64}
 CPU_BATCHES = (1, 3, 16)
 GPU_HEADS = (128, 16)  # DeepSeek-V3 with all heads, and one tensor-parallel shard (TP=8)
 GPU_BATCHES = (1, 64, 512)
@@ -260,6 +259,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cases = [(B, None) for B in GPU_BATCHES] + [GPU_MIXED]
     else:
         print(f"fusemla demo: {why} - running the Triton interpreter on the CPU at small dims")
+        from fusemla.testing import SMALL_DIMS
+
         dim_sets = [dict(SMALL_DIMS)]
         cases = [(B, None) for B in CPU_BATCHES] + [CPU_MIXED]
     import triton

@@ -14,20 +14,27 @@ import time
 from dataclasses import dataclass, field
 
 
+_YARN = dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
+             beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+
+
+def deepseek_v3_config(num_heads: int = 128) -> dict:
+    """DeepSeek-V3's attention config with ``num_heads`` heads (16: one tensor-parallel-8 shard)."""
+    return dict(hidden_size=7168, num_attention_heads=num_heads, q_lora_rank=1536,
+                kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                max_position_embeddings=163840, rope_theta=10000.0, rope_interleave=True,
+                rope_scaling=dict(_YARN))
+
+
 def layer_config(device: str) -> dict:
     """A DeepSeek-V3-style attention config: small under the interpreter, V3 dims (16 heads,
     one tensor-parallel-8 shard) on a GPU."""
-    rope = dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32,
-                beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
     if device == "cuda":
-        return dict(hidden_size=7168, num_attention_heads=16, q_lora_rank=1536, kv_lora_rank=512,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    max_position_embeddings=163840, rope_theta=10000.0, rope_interleave=True,
-                    rope_scaling=rope)
+        return deepseek_v3_config(16)
     return dict(hidden_size=64, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=64,
                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                 max_position_embeddings=163840, rope_theta=10000.0, rope_interleave=True,
-                rope_scaling=rope)
+                rope_scaling=dict(_YARN))
 
 
 def random_weights(cfg: dict, g, dtype, device) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fusemla.ops.prologue.args import PrologueArgs
+from fusemla.ops.prologue.args import PrologueArgs, split_scale
 
 
 @torch.library.custom_op("fusemla::mla_prologue",
@@ -57,14 +57,8 @@ def call_mla_prologue(args: PrologueArgs) -> None:
     w = args.w_uk_t
     w_data, w_scale, w_format = ((w, None, "") if isinstance(w, torch.Tensor)
                                  else (w.data, w.scale, w.format))
-
-    def split(scale):
-        if isinstance(scale, torch.Tensor):
-            return scale, 1.0
-        return None, 1.0 if scale is None else float(scale)
-
-    kv_t, kv_v = split(args.kv_scale)
-    q_t, q_v = split(args.q_scale)
+    kv_t, kv_v = split_scale(args.kv_scale)
+    q_t, q_v = split_scale(args.q_scale)
     act = -1 if args.fp8_activations is None else int(args.fp8_activations)
     mla_prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, w_data, w_scale, w_format,
                     args.positions, args.cos_cache, args.sin_cache, args.kv_cache,

@@ -147,6 +147,14 @@ def check_scale(name: str, scale: object, needed_by: str | None) -> Scale:
     return scale32
 
 
+def split_scale(scale: Scale) -> tuple[Optional[torch.Tensor], float]:
+    """(tensor or None, value) for a checked float/tensor/None scale: a tensor is read on the
+    device, a float (or None: 1.0) is passed by value."""
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0
+    return None, 1.0 if scale is None else float(scale)
+
+
 def _weight(w_uk_t: object, H: int, P: int, L: int, act: torch.dtype) -> object:
     """W_UK_T: a [H, P, L] tensor in the activations' dtype, or a QuantizedWeight."""
     from fusemla.quant import QuantizedWeight

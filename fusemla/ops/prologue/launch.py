@@ -15,7 +15,7 @@ from fusemla import config, platform
 from fusemla.dtypes import fp8_code
 from fusemla.errors import FuseMLATypeError, describe
 from fusemla.ops.prologue import configs
-from fusemla.ops.prologue.args import PrologueArgs, check_device_values
+from fusemla.ops.prologue.args import PrologueArgs, check_device_values, split_scale
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
 
 
@@ -24,9 +24,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def backend_of(device: torch.device) -> str:
-    """The launch-config backend for tensors on ``device`` ("cuda", "rocm" or "interpreter")."""
-    be = platform.detect(device).backend
+def backend_of(device: torch.device, info: platform.PlatformInfo | None = None) -> str:
+    """The launch-config backend for tensors on ``device`` ("cuda", "rocm" or "interpreter");
+    ``info``: its already detected platform."""
+    be = (info or platform.detect(device)).backend
     if be == "cpu":
         raise ValueError("no Triton backend for CPU tensors without TRITON_INTERPRET=1")
     return be
@@ -36,11 +37,12 @@ def weight_format(w: object) -> str:
     return "plain" if isinstance(w, torch.Tensor) else w.format
 
 
-def variant_for(args: PrologueArgs, cfg: dict) -> platform.PrologueVariant:
+def variant_for(args: PrologueArgs, cfg: dict,
+                info: platform.PlatformInfo | None = None) -> platform.PrologueVariant:
     """The kernel variant these arguments run (the single decision in
     :func:`fusemla.platform.choose_prologue_variant`)."""
     return platform.choose_prologue_variant(
-        platform.detect(args.q_nope.device), weight_format=weight_format(args.w_uk_t),
+        info or platform.detect(args.q_nope.device), weight_format=weight_format(args.w_uk_t),
         num_tokens=args.D, fp8_activations=args.fp8_activations, P=args.P, L=args.L,
         block_l=cfg["BLOCK_L"])
 
@@ -58,19 +60,13 @@ def _check_formats(args: PrologueArgs, backend: str) -> None:
                 f"GPUs cannot store it: use torch.float8_e4m3fn, got {describe(t)}")
 
 
-def _scale_args(scale) -> tuple[torch.Tensor | None, float]:
-    """(pointer or None, value) for a float/tensor/None scale."""
-    if isinstance(scale, torch.Tensor):
-        return scale, 1.0
-    return None, 1.0 if scale is None else float(scale)
-
-
 def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     """Launch the kernel on validated arguments, writing the outputs and the cache."""
     N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
     if N == 0:
         return
-    backend = backend_of(args.q_nope.device)
+    info = platform.detect(args.q_nope.device)  # once per launch
+    backend = backend_of(args.q_nope.device, info)
     _check_formats(args, backend)
     if cfg is None:
         cfg = configs.launch_config(H, P, R, L, backend, D <= configs.SMALL_BATCH)
@@ -81,7 +77,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     n_rope_d = triton.cdiv(D * H, cfg["ROPE_ROWS"])
     n_rope_p = triton.cdiv((N - D) * H, cfg["ROPE_ROWS"])
 
-    w_fmt, act_fp8, mx_native = variant_for(args, cfg).kernel_flags
+    w_fmt, act_fp8, mx_native = variant_for(args, cfg, info).kernel_flags
     w = args.w_uk_t
     if w_fmt == 0:
         w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
@@ -89,10 +85,10 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         w_data, w_scale = w.data, w.scale
         s_ws_h = w.scale.stride(0) if w.scale.numel() > 1 else 0
         s_ws_p = w.scale.stride(1) if w.scale.dim() > 1 else 0
-    p_kv_scale, kv_scale_value = _scale_args(args.kv_scale)
-    p_q_scale, q_scale_value = _scale_args(args.q_scale)
+    p_kv_scale, kv_scale_value = split_scale(args.kv_scale)
+    p_q_scale, q_scale_value = split_scale(args.q_scale)
     interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
-    pdl = platform.choose_pdl(platform.detect(args.q_nope.device))
+    pdl = platform.choose_pdl(info)
     launch_opts = {"launch_pdl": True} if pdl else {}
     qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
