@@ -111,6 +111,14 @@ def _install(model, inject: str, capture: bool) -> None:
             _log["captures"][name] = []
 
             def hook(mod, inp, out, _name=name):
+                # real steps only: a dummy batch (no attention metadata; vLLM runs them e.g. to
+                # keep tensor-parallel ranks in step) is not part of the comparison, and whether
+                # one happens is up to the engine's timing
+                from vllm.forward_context import get_forward_context, is_forward_context_available
+
+                if (not is_forward_context_available()
+                        or get_forward_context().attn_metadata is None):
+                    return
                 _log["captures"][_name].append(out.detach().float().cpu().clone())
 
             w.register_forward_hook(hook)
