@@ -1,24 +1,72 @@
-"""Benchmark the MLA prologue: fused kernel vs the unfused path vs torch.compile of it.
+"""Benchmark the MLA decode prologue: the fused kernel against what an engine runs instead.
 
 Method (KNOWLEDGE.md §5): every implementation runs 8 layers inside one CUDA graph, each layer
-with its own weights, activations, query buffer and cache, so W_UK (16 MiB per layer at H=128)
-is not L2-resident; the graph is replayed many times (triton.testing.do_bench, median) and the
-time divided by 8. Correctness at full dims is checked for every shape before it is timed.
+with its own weights, activations, outputs and cache, so W_UK (16 MiB per layer at H=128) is not
+L2-resident; the graph is replayed (``triton.testing.do_bench``, median) and the time divided by
+8. PDL is off (``FUSEMLA_PDL=off``) except in the chain rows that measure it.
 
-Usage (on a GPU):
-    python benchmarks/bench_prologue.py [--out results.json] [--heads 16 128]
-        [--batches 1 8 32 64 128 256 512] [--sweep] [--mixed-only]
+Correctness first, everywhere: every timed implementation, every weight format and every sweep
+config is checked against the unfused reference (``fusemla.testing``: q within 1 ulp, every
+cache byte, untouched rows untouched) at the timed shape (DeepSeek dims P=128, R=64, L=512,
+block size 64, fresh random data) on the captured graph itself: outputs and cache are
+NaN-poisoned, the graph replayed, the results compared. A wrong implementation goes into
+``failures`` and gets no row; the script then exits with status 1.
 
-Rows ``op="decode_prologue"``: all-decode batches of B tokens. Rows ``op="mixed_prologue"``:
-32 decode tokens + one 512-token prefill (``--mixed``): one launch (``fused``), two launches
-(``fused_two_launches``: decode tokens, then prefill tokens), and the unfused path.
+Usage (on a GPU)::
 
-``--sweep`` also times a grid of fused-kernel tile configs per shape and reports the best one
-(used to choose the defaults in ``launch_config``).
+    python benchmarks/bench_prologue.py --out results.json          # = --all: the final table
+    python benchmarks/bench_prologue.py --rows --heads 128 --batches 1 64   # a subset
+    python benchmarks/bench_prologue.py --sweep [--sweep-batches 1 8 64 512] [--sweep-formats bf16]
+        [--sweep-max 50]                     # edit prologue_sweep.sweep_space first
+    python benchmarks/bench_prologue.py [modes...] --plan   # rows/compiles/configs, no GPU needed
+    TRITON_INTERPRET=1 python benchmarks/bench_prologue.py --smoke --out /tmp/smoke.json  # CPU
 
-Output: a table (µs per layer, GB/s of the minimum bytes, % of the device-to-device copy
-bandwidth measured first) and JSON: ``{"header": {...}, "rows": [{"op", "impl", "w_dtype",
-"kv_dtype", "H", "B", "us", "gbps", "pct_copy_bw", ...}]}``.
+A plan (rows, torch.compile compiles, sweep configs, a rough GPU time) is printed first.
+
+Modes (no mode flag = ``--all`` = rows + chain + floors + mixed; ``--sweep`` only when asked;
+``--smoke`` runs every mode, the sweep with 2-3 configs, at tiny dims in the Triton interpreter,
+one timed eager pass instead of a CUDA graph, PDL off):
+
+``--rows`` (``op="decode_prologue"``): all-decode batches, H x B x kv cache dtype. ``impl``:
+
+- ``fused``: ``fusemla.mla_decode_prologue``, one launch; ``w_dtype`` bf16, fp8 (per-tensor
+  scale) and mxfp4 weights (the quantized ones with a bf16 cache).
+- ``engine_4kernel``: what vLLM runs today (``peers.EnginePrologue``): cuBLAS ``torch.bmm``,
+  one Triton rotary kernel for q_pe and k_pe, one ``torch.cat`` into the 576-wide q, one Triton
+  cache-write kernel (FP8: saturate(x / scale) exactly as the reference; k_pe rotated to bf16
+  first, as vLLM, so its FP8 rope codes may be one off: checked with that slack).
+- ``unfused_compiled``: ``torch.compile`` (``dynamic=False``) of the reference's four steps with
+  only the batch dim dynamic (``torch._dynamo.mark_dynamic(t, 0)`` on the per-token tensors; B=1
+  compiles once more, dynamo specializes sizes 0/1). See ``peers.make_compiled_body``.
+- ``reference_eager``: ``fusemla.reference.prologue.mla_decode_prologue_ref`` eager (~48 ATen
+  ops): the project's correctness reference, NOT an engine baseline.
+- ``cublas_bmm_only``: ``torch.bmm`` alone (no RoPE, no cache), bf16 cache rows only; its
+  ``min_bytes`` are the BMM's own (weights + q_nope + ql).
+
+``--chain`` (``op="pdl_chain"``, PDL off vs on, H x ``--chain-batches``): per layer
+``qb_gemm_chain_*``: cuBLAS x[B,1536] @ W_qb[1536, H*192] whose q_nope / q_pe views feed the
+prologue, then the prologue, then the next kernel (``fusemla.ops.pdl_probe.produce`` reading the
+prologue's q; with PDL it waits with ``gdc_wait`` first). ``triton_producer_chain_*``: two Triton
+producers write the prologue's inputs (as torch.compile's kv_c RMSNorm kernel would), the
+prologue, the same next kernel. ``*_producers_only``: the chain without the prologue. Chain
+rows are checked on all 8 layers after NaN-poisoning the producers' outputs, the prologue's
+output and cache and the next kernel's output (PDL on: three such replays), so a stale read
+fails the row.
+
+``--floors`` (``op="floor"``): ``empty_launch`` (a 1-program Triton kernel per layer in the
+8-layer graph) and ``weight_read`` (a Triton kernel reading each layer's W_UK_T, bf16, with
+enough programs to fill the GPU, one value per program; best of a few grids, in ``config``).
+
+``--mixed`` (``op="mixed_prologue"``): 32 decode tokens + one 512-token prefill: ``fused`` (one
+launch), ``fused_two_launches`` (decode tokens, then prefill tokens), ``engine_4kernel``,
+``unfused_compiled``, ``reference_eager``.
+
+``--sweep``: times :func:`prologue_sweep.sweep_space`'s tile configs per (H, B, weight format),
+each checked first; rows in ``"sweep"``; prints the best config per shape as a dict literal.
+
+Output: tables (µs per layer, GB/s of each row's ``min_bytes``, % of the device-to-device copy
+bandwidth measured first) and JSON ``{"header", "rows", "sweep", "sweep_skipped", "failures",
+"skipped"}`` (written after every section), read by ``summarize.py``.
 """
 
 from __future__ import annotations
@@ -26,10 +74,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import platform
 import sys
+import time
 
 import torch
 import triton
@@ -37,421 +85,414 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import commit_id, time_graph  # noqa: E402
+from bench_core import (  # noqa: E402
+    BLOCK_SIZE,
+    COMPILED_NOTE,
+    DECODE_IMPLS,
+    ENGINE_NOTE,
+    KV_DTYPES,
+    KV_NAMES,
+    LAYERS,
+    MIXED_IMPLS,
+    SMOKE_BATCHES,
+    SMOKE_DIMS,
+    SMOKE_HEADS,
+    SMOKE_LAYERS,
+    W_BYTES,
+    W_FORMATS,
+    Bench,
+    Runner,
+    bmm_check,
+    copy_bandwidth_gbps,
+    decode_runner,
+    empty_cache,
+    fmt_key,
+    fused_runner,
+    min_bytes,
+    prologue_check,
+)
+from bench_sections import chain_rows, floor_rows, self_test  # noqa: E402
+from common import CheckFailed, commit_id  # noqa: E402
+from peers import EnginePrologue  # noqa: E402
+from prologue_sweep import best_configs_literal, smoke_subset, sweep_space  # noqa: E402
 
-from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue  # noqa: E402
-from fusemla.ops.prologue.args import prepare  # noqa: E402
-from fusemla.ops.prologue.configs import SMALL_BATCH, launch_config  # noqa: E402
-from fusemla.ops.prologue.launch import launch  # noqa: E402
-from fusemla.quant import quantize_fp8_weight, quantize_mxfp4_weight  # noqa: E402
-from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref  # noqa: E402
-from fusemla.testing import (  # noqa: E402
-    DEEPSEEK_V3, check_against_reference, make_inputs, run_and_compare)
+from fusemla.ops.prologue import configs  # noqa: E402
+from fusemla.ops.prologue.api import mla_prologue  # noqa: E402
+from fusemla.reference.prologue import mla_prologue_ref  # noqa: E402
+from fusemla.testing import DEEPSEEK_V3  # noqa: E402
 
-LAYERS = 8
-OP = "decode_prologue"
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4m3"}
+# rough cost model of the GPU run for the estimate printed at the start (seconds)
+COST_ROW, COST_COMPILE, COST_SWEEP_CONFIG = 0.8, 2.0, 3.0
 
-
-def copy_bandwidth_gbps() -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s), median of many."""
-    n = 1 << 30
-    src = torch.randn(n // 4, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
-                                 return_mode="median")
-    del src, dst
-    return 2 * n / (ms * 1e-3) / 1e9
-
-
-def min_bytes(B: int, H: int, P: int, R: int, L: int, act_bytes: int, w_bytes: float,
-              kv_bytes: int) -> int:
-    """Each input read once, each output written once."""
-    weights = H * P * L * w_bytes
-    reads = B * H * (P + R) * act_bytes + B * (L + R) * act_bytes + B * 16 + B * R * 4
-    writes = B * H * (L + R) * act_bytes + B * (L + R) * kv_bytes
-    return int(weights + reads + writes)
-
-
-def layer_inputs(B, H, dims, kv_dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(LAYERS):
-        inp = make_inputs(B, H=H, **dims, dtype=torch.bfloat16, kv_dtype=kv_dtype,
-                          block_size=64, kv_scale="tensor", device="cuda", generator=g)
-        inp.extra["out"] = torch.empty(B, H, dims["L"] + dims["R"], dtype=torch.bfloat16,
-                                       device="cuda")
-        layers.append(inp)
-    return layers
+# --------------------------------------------------------------------------------- sections
 
 
-#: quantized-weight variants timed beside bf16: label -> (format, fp8 activations)
-W_VARIANTS = {"fp8": ("fp8", False), "fp8_act": ("fp8", True), "mxfp4": ("mxfp4", None)}
+def decode_rows(b: Bench, a) -> None:
+    P, R, L = b.dims["P"], b.dims["R"], b.dims["L"]
+    for kv_name, H, B in itertools.product(a.kv, a.heads, a.batches):
+        kv_dtype = KV_DTYPES[kv_name]
+        t0 = time.perf_counter()
+        layers = b.inputs(B, H, kv_dtype, seed=1000 * H + B + (7 if kv_name == "fp8" else 0))
+        kv_bytes = 1 if kv_name == "fp8" else 2
+        base = dict(op="decode_prologue", kv_dtype=KV_NAMES[kv_dtype], H=H, B=B)
+        for impl in a.impls:
+            if impl == "cublas_bmm_only" and kv_name != "bf16":
+                continue
+            if impl == "unfused_compiled" and a.no_compile:
+                continue
+            key = dict(base, impl=impl, w_dtype="bf16")
+            try:
+                runners = [decode_runner(impl, x, H, b) for x in layers]
+            except Exception as e:  # noqa: BLE001
+                b.fail(key, [f"setup raised {type(e).__name__}: {e}"])
+                continue
+            if impl == "cublas_bmm_only":
+                nb = H * P * L * 2 + B * H * (P + L) * 2
+                b.measure(key, runners, bmm_check(layers[0], runners[0]), nb,
+                          note="torch.bmm alone; min_bytes = weights + q_nope + ql")
+                continue
+            extra = {}
+            if impl == "engine_4kernel":
+                extra["note"] = ENGINE_NOTE
+            elif impl == "unfused_compiled":
+                extra["note"] = COMPILED_NOTE
+            elif impl == "reference_eager":
+                extra["note"] = "the project's correctness reference (~48 ATen ops), eager"
+            b.measure(key, runners, prologue_check(layers[0], runners[0]),
+                      min_bytes(B, H, P, R, L, 2, 2, kv_bytes), **extra)
+        if "fused" in a.impls and (kv_name == "bf16" or a.formats_all_kv):
+            for fmt in a.formats:
+                if fmt == "bf16":
+                    continue
+                key = dict(base, impl="fused", w_dtype=fmt)
+                try:
+                    runners = [fused_runner(x, torch.empty(B, H, L + R, dtype=torch.bfloat16,
+                                                           device=b.device), fmt)
+                               for x in layers]
+                except Exception as e:  # noqa: BLE001
+                    b.fail(key, [f"setup raised {type(e).__name__}: {e}"])
+                    continue
+                b.measure(key, runners, prologue_check(layers[0], runners[0]),
+                          min_bytes(B, H, P, R, L, 2, W_BYTES[fmt], kv_bytes))
+        del layers
+        empty_cache(b)
+        print(f"   ({time.perf_counter() - t0:.1f} s for kv={kv_name} H={H} B={B})", flush=True)
+        b.save()
 
 
-def quantized(inp, label):
-    """This layer's W_UK_T in a variant's format (made once per layer)."""
-    cache = inp.extra.setdefault("qw", {})
-    fmt = W_VARIANTS[label][0]
-    if fmt not in cache:
-        cache[fmt] = (quantize_fp8_weight(inp.w_uk_t) if fmt == "fp8"
-                      else quantize_mxfp4_weight(inp.w_uk_t))
-    return cache[fmt]
+def mixed_rows(b: Bench, a) -> None:
+    D, PF = (3, 9) if b.smoke else (32, 512)
+    N = D + PF
+    P, R, L = b.dims["P"], b.dims["R"], b.dims["L"]
+    for kv_name, H in itertools.product(a.kv, a.heads):
+        kv_dtype = KV_DTYPES[kv_name]
+        kv_bytes = 1 if kv_name == "fp8" else 2
+        layers = b.inputs(N, H, kv_dtype, seed=7000 + H + (7 if kv_name == "fp8" else 0),
+                          num_decode_tokens=D)
+        nbytes = min_bytes(D, H, P, R, L, 2, 2, kv_bytes) + PF * (
+            2 * H * R * 2 + (L + R) * 2 + R * 2 + (L + R) * kv_bytes + 16)
+
+        def outs_of(x):
+            dev = x.q_nope.device
+            return dict(out=torch.empty(D, H, L + R, dtype=torch.bfloat16, device=dev),
+                        q_pe_out=torch.empty(PF, H, R, dtype=torch.bfloat16, device=dev),
+                        k_pe_out=torch.empty(PF, R, dtype=torch.bfloat16, device=dev))
+
+        def runner(impl, x):
+            o = outs_of(x)
+            res = (o["out"], o["q_pe_out"], o["k_pe_out"])
+            if impl == "fused":
+                return Runner(lambda: x.run(mla_prologue, **o), res, list(res))
+            if impl == "reference_eager":
+                return Runner(lambda: x.run(mla_prologue_ref, **o), res, list(res))
+            if impl == "fused_two_launches":
+                args = list(x.args())
+                per_token = (0, 1, 2, 3, 5, 9)
+                dec = [t[:D] if i in per_token else t for i, t in enumerate(args)]
+                pre = [t[D:] if i in per_token else t for i, t in enumerate(args)]
+
+                def run():
+                    mla_prologue(*dec, kv_scale=x.kv_scale, out=o["out"])
+                    mla_prologue(*pre, num_decode_tokens=0, kv_scale=x.kv_scale,
+                                 q_pe_out=o["q_pe_out"], k_pe_out=o["k_pe_out"])
+                return Runner(run, res, list(res))
+            if impl == "engine_4kernel":
+                e = EnginePrologue(x, o["out"], D)
+                return Runner(e.run, (e.out, e.q_rot[D:], e.k_rot[D:]),
+                              e.buffers, code_slack=1)
+            if impl == "unfused_compiled":
+                fn = b.compiled_fn("mixed")
+                return Runner(lambda: fn(*x.args(), x.kv_scale, o["out"], o["q_pe_out"],
+                                         o["k_pe_out"], num_decode_tokens=D), res, list(res))
+            raise ValueError(impl)
+
+        for impl in MIXED_IMPLS:
+            if impl not in a.mixed_impls or (impl == "unfused_compiled" and a.no_compile):
+                continue
+            key = dict(op="mixed_prologue", impl=impl, w_dtype="bf16",
+                       kv_dtype=KV_NAMES[kv_dtype], H=H, B=N)
+            try:
+                runners = [runner(impl, x) for x in layers]
+            except Exception as e:  # noqa: BLE001
+                b.fail(key, [f"setup raised {type(e).__name__}: {e}"])
+                continue
+            extra = dict(decode_tokens=D, prefill_tokens=PF)
+            if impl == "engine_4kernel":
+                extra["note"] = ENGINE_NOTE
+            elif impl == "unfused_compiled":
+                extra["note"] = "torch.compile(dynamic=False) of the reference's prologue_into"
+            b.measure(key, runners, prologue_check(layers[0], runners[0]), nbytes, **extra)
+        del layers
+        empty_cache(b)
+        b.save()
 
 
-def variant_call(inp, label):
-    args = list(inp.args())
-    args[4] = quantized(inp, label)
-    act = W_VARIANTS[label][1]
-    return lambda: mla_decode_prologue(*args, kv_scale=inp.kv_scale, out=inp.extra["out"],
-                                       fp8_activations=act)
+def sweep_rows(b: Bench, a) -> None:
+    P, R, L = b.dims["P"], b.dims["R"], b.dims["L"]
+    aborted = False
+    for H, B, fmt in itertools.product(a.heads, a.sweep_batches, a.sweep_formats):
+        if aborted:
+            break
+        layers = b.inputs(B, H, torch.bfloat16, seed=5000 + H + B)
+        small = B <= getattr(configs, "SMALL_BATCH", 8)  # the launcher's batch bucket
+        base_cfg = configs.launch_config(H, P, R, L, b.backend, small)
+        space = sweep_space(H, B, fmt)
+        if b.smoke:
+            space = smoke_subset(space, b.dims)
+        elif a.sweep_max and len(space) > a.sweep_max:
+            step = len(space) / a.sweep_max
+            space = [space[int(i * step)] for i in range(a.sweep_max)]
+        print(f"   sweep H={H} B={B} w={fmt}: {len(space)} configs", flush=True)
+        best = None
+        for override in space:
+            cfg = {**base_cfg, **override}
+            key = dict(op="sweep", impl="fused", w_dtype=fmt, kv_dtype="bf16", H=H, B=B)
+            try:
+                outs = [torch.empty(B, H, L + R, dtype=torch.bfloat16, device=b.device)
+                        for _ in layers]
+                runners = [fused_runner(x, o, fmt, cfg) for x, o in zip(layers, outs)]
+                us = b.time([r.run for r in runners], rep=40,
+                            check=prologue_check(layers[0], runners[0]))
+            except CheckFailed as e:
+                b.fail(dict(key, config=cfg), e.problems)
+                continue
+            except Exception as e:  # noqa: BLE001 - a config that cannot launch: skip it
+                msg = f"{type(e).__name__}: {str(e)[:300]}"
+                b.sweep_skipped.append(dict(key, config=cfg, error=msg))
+                print(f"   skip {override}: {msg[:120]}")
+                if "CUDA error" in msg or "illegal" in msg.lower():
+                    b.fail(dict(key, config=cfg), [f"CUDA context error, sweep aborted: {msg}"])
+                    aborted = True
+                    break
+                continue
+            rec = dict(H=H, B=B, w_dtype=fmt, kv_dtype="bf16", config=cfg, us=round(us, 3),
+                       correct=True)
+            b.sweep.append(rec)
+            if best is None or us < best["us"]:
+                best = rec
+        print(f"   sweep H={H} B={B} w={fmt}: best {best}", flush=True)
+        del layers
+        empty_cache(b)
+        b.save()
+    if b.sweep:
+        print("\n" + best_configs_literal(b.sweep))
 
 
-def check_variant(inp, label) -> list:
-    """Quantized variant vs the reference that quantizes the same way (every cache byte)."""
-    res = run_and_compare(mla_prologue, inp, w_uk_t=quantized(inp, label),
-                          fp8_activations=W_VARIANTS[label][1])
-    return [f"{label}: {p}" for p in res.problems]
+# --------------------------------------------------------------------------------- main
 
 
-def fused_call(inp, cfg=None):
-    if cfg is None:
-        return lambda: mla_decode_prologue(*inp.args(), kv_scale=inp.kv_scale,
-                                           out=inp.extra["out"])
-    args = prepare(*inp.args(), kv_scale=inp.kv_scale, out=inp.extra["out"])
-    return lambda: launch(args, cfg)
+def estimate(a, modes: set) -> str:
+    """What the run will do and a rough GPU time (the cost model is a guess: COST_ROW s per
+    checked + timed row, COST_COMPILE per torch.compile, COST_SWEEP_CONFIG per swept config
+    including its Triton JIT compile)."""
+    n_rows = n_compiles = n_sweep = 0
+    if "rows" in modes:
+        per_shape = sum(1 for i in a.impls if i not in ("cublas_bmm_only", "unfused_compiled"))
+        n_rows += len(a.kv) * len(a.heads) * len(a.batches) * per_shape
+        if "cublas_bmm_only" in a.impls and "bf16" in a.kv:
+            n_rows += len(a.heads) * len(a.batches)
+        if "unfused_compiled" in a.impls and not a.no_compile:
+            n_rows += len(a.kv) * len(a.heads) * len(a.batches)
+            n_compiles += len(a.kv) * len(a.heads) * (
+                (1 in a.batches) + any(x > 1 for x in a.batches))
+        if "fused" in a.impls:
+            kvs = len(a.kv) if a.formats_all_kv else ("bf16" in a.kv)
+            n_rows += kvs * len(a.heads) * len(a.batches) * sum(f != "bf16" for f in a.formats)
+    if "mixed" in modes:
+        n_rows += len(a.kv) * len(a.heads) * len(a.mixed_impls)
+        if "unfused_compiled" in a.mixed_impls and not a.no_compile:
+            n_compiles += len(a.kv) * len(a.heads)
+    if "chain" in modes:
+        n_rows += len(a.heads) * len(a.chain_batches) * 6
+    if "floors" in modes:
+        n_rows += 1 + 4 * len(a.heads)
+    if "sweep" in modes:
+        for H, B, fmt in itertools.product(a.heads, a.sweep_batches, a.sweep_formats):
+            space = sweep_space(H, B, fmt)
+            k = len(smoke_subset(space, SMOKE_DIMS)) if a.smoke else len(space)
+            n_sweep += min(k, a.sweep_max) if a.sweep_max else k
+    secs = n_rows * COST_ROW + n_compiles * COST_COMPILE + n_sweep * COST_SWEEP_CONFIG
+    when = ("smoke: CPU, tiny dims" if a.smoke else
+            f"rough GPU estimate {secs / 60:.1f} min + Triton JIT compiles")
+    return (f"plan: modes {sorted(modes)}; {n_rows} checked+timed rows, {n_compiles} "
+            f"torch.compile compiles, {n_sweep} sweep configs (each checked, then timed); "
+            f"{when}")
 
 
-def pdl_rows(rows, failures, H, B, dims):
-    """Per layer: a Triton producer writes the prologue's inputs (as torch.compile's RMSNorm
-    kernel or a fused activation kernel would), then the prologue; PDL on vs off. The producer
-    launches its dependents early, so with PDL the prologue loads W_UK while it runs."""
-    from fusemla.ops.pdl_probe import produce
-
-    g = torch.Generator().manual_seed(9000 + H + B)
-    layers = []
-    for _ in range(LAYERS):
-        inp = make_inputs(B, H=H, **dims, block_size=64, device="cuda", generator=g)
-        q_base, kv_base = inp.q_nope._base, inp.kv_c._base
-        inp.extra.update(q_base=q_base, kv_base=kv_base, q_src=q_base.clone(),
-                         kv_src=kv_base.clone(), out=torch.empty(
-                             B, H, dims["L"] + dims["R"], dtype=torch.bfloat16, device="cuda"))
-        layers.append(inp)
-
-    def call(x, pdl, with_prologue=True):
-        def run():
-            produce(x.extra["q_src"], x.extra["q_base"], 1.0, pdl=pdl)
-            produce(x.extra["kv_src"], x.extra["kv_base"], 1.0, pdl=pdl)
-            if with_prologue:
-                x.run(mla_prologue, out=x.extra["out"])
-        return run
-
-    for impl, pdl, full in (("producers_only", False, False), ("chain_no_pdl", False, True),
-                            ("chain_pdl", True, True)):
-        os.environ["FUSEMLA_PDL"] = "on" if pdl else "off"
-        try:
-            chk = layers[0]
-            before = chk.kv_cache.clone()
-            call(chk, pdl, full)()
-            if full:
-                probs = check_against_reference(chk, chk.extra["out"], before).problems
-                if probs:
-                    failures.append(("pdl", H, B, probs))
-                    print(f"!! pdl chain H={H} B={B} {impl}: {probs}")
-            us = time_graph([call(x, pdl, full) for x in layers])
-        except Exception as e:  # report, keep the other rows
-            print(f"!! pdl chain {impl} H={H} B={B}: {type(e).__name__}: {e}")
-            continue
-        finally:
-            os.environ.pop("FUSEMLA_PDL", None)
-        rows.append(dict(op="pdl_chain", impl=impl, w_dtype="bf16", kv_dtype="bf16", H=H, B=B,
-                         us=round(us, 3)))
-        print(f"   pdl chain H={H} B={B} {impl}: {us:.2f} us")
-    del layers
-    torch.cuda.empty_cache()
-
-
-MIXED_DECODE, MIXED_PREFILL = 32, 512
-
-
-def mixed_rows(rows, failures, H, dims, kv_name, copy_bw, compiled_ref):
-    """32 decode tokens + one 512-token prefill: one launch vs two vs the unfused path."""
-    D, N = MIXED_DECODE, MIXED_DECODE + MIXED_PREFILL
-    kv_dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
-    g = torch.Generator().manual_seed(7000 + H)
-    layers = []
-    for _ in range(LAYERS):
-        inp = make_inputs(N, H=H, **dims, num_decode_tokens=D, kv_dtype=kv_dtype, block_size=64,
-                          kv_scale="tensor", device="cuda", generator=g)
-        inp.extra["outs"] = dict(
-            out=torch.empty(D, H, dims["L"] + dims["R"], dtype=torch.bfloat16, device="cuda"),
-            q_pe_out=torch.empty(N - D, H, dims["R"], dtype=torch.bfloat16, device="cuda"),
-            k_pe_out=torch.empty(N - D, dims["R"], dtype=torch.bfloat16, device="cuda"))
-        layers.append(inp)
-    chk = layers[0]
-    probs = run_and_compare(mla_prologue, chk).problems
-    if probs:
-        failures.append((kv_name, H, N, probs))
-        print(f"!! mixed H={H} kv={kv_name}: {probs}")
-
-    def one(x):
-        return lambda: x.run(mla_prologue, **x.extra["outs"])
-
-    def two(x):
-        a, o = list(x.args()), x.extra["outs"]
-        dec = [t[:D] if i in (0, 1, 2, 3, 5, 9) else t for i, t in enumerate(a)]
-        pre = [t[D:] if i in (0, 1, 2, 3, 5, 9) else t for i, t in enumerate(a)]
-
-        def run():
-            mla_prologue(*dec, kv_scale=x.kv_scale, out=o["out"])
-            mla_prologue(*pre, num_decode_tokens=0, kv_scale=x.kv_scale,
-                         q_pe_out=o["q_pe_out"], k_pe_out=o["k_pe_out"])
-        return run
-
-    impls = {"fused": [one(x) for x in layers], "fused_two_launches": [two(x) for x in layers],
-             "unfused": [(lambda x=x: x.run(mla_prologue_ref, **x.extra["outs"]))
-                         for x in layers],
-             "unfused_compiled": [(lambda x=x: x.run(compiled_ref, **x.extra["outs"]))
-                                  for x in layers]}
-    kv_bytes = 1 if kv_name == "fp8" else 2
-    # weights once + decode part + prefill tokens' q_pe/k_pe/kv reads and writes
-    nbytes = min_bytes(D, H, dims["P"], dims["R"], dims["L"], 2, 2, kv_bytes) + (N - D) * (
-        2 * H * dims["R"] * 2 + (dims["L"] + dims["R"]) * 2 + dims["R"] * 2
-        + (dims["L"] + dims["R"]) * kv_bytes + 16)
-    for impl, calls in impls.items():
-        try:
-            us = time_graph(calls)
-        except Exception as e:  # report, keep the other rows
-            print(f"!! mixed {impl} H={H} failed: {type(e).__name__}: {e}")
-            continue
-        gbps = nbytes / (us * 1e-6) / 1e9
-        rows.append(dict(op="mixed_prologue", impl=impl, w_dtype="bf16",
-                         kv_dtype=DTYPE_NAMES[kv_dtype], H=H, B=N, decode_tokens=D,
-                         prefill_tokens=N - D, us=round(us, 3), gbps=round(gbps, 1),
-                         pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nbytes,
-                         correct=not probs if impl == "fused" else None))
-        print(f"   mixed H={H} kv={kv_name} {impl}: {us:.2f} us")
-    del layers
-    torch.cuda.empty_cache()
-
-
-def sweep_configs(H, dims, B):
-    small = B <= SMALL_BATCH
-    base = launch_config(H, dims["P"], dims["R"], dims["L"], "cuda", small)
-    if small:
-        for bl, nw in itertools.product((64, 128, 256), (4, 8)):
-            yield dict(base, BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=2,
-                       programs_per_sm=1.0)
-        return
-    for bl, bt, nw, ns, pps in itertools.product((64, 128, 256), (16, 32, 64), (4, 8), (2, 3),
-                                                 (1.0, 2.0, 4.0)):
-        if bl * bt > 128 * 64 and nw == 4:
-            continue
-        yield dict(base, BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns,
-                   programs_per_sm=pps)
-
-
-def main() -> int:
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
-    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    ap.add_argument("--no-quant", action="store_true", help="skip the FP8/MXFP4 weight rows")
-    ap.add_argument("--only-fused", action="store_true",
-                    help="time only the fused kernel (bf16 and quantized weights)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep fused tile configs")
-    ap.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 8, 64, 512])
+    ap.add_argument("--all", action="store_true",
+                    help="rows + chain + floors + mixed (the default when no mode is given)")
+    ap.add_argument("--rows", action="store_true", help="decode rows (op decode_prologue)")
+    ap.add_argument("--chain", action="store_true", help="PDL chains (op pdl_chain)")
+    ap.add_argument("--floors", action="store_true", help="launch and weight-read floors")
     ap.add_argument("--mixed", action="store_true",
-                    help="also time 32 decode tokens + one 512-token prefill (op mixed_prologue)")
-    ap.add_argument("--mixed-only", action="store_true", help="only the mixed rows")
-    ap.add_argument("--pdl-chain", action="store_true",
-                    help="only: producer kernel + prologue per layer, PDL on vs off (op pdl_chain)")
-    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
-    ap.add_argument("--plot", default=None, help="PNG path for a plot (needs matplotlib)")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_prologue: needs a GPU (use `python -m fusemla demo` on a CPU)")
-        return 2
+                    help="32 decode + 512 prefill tokens (op mixed_prologue)")
+    ap.add_argument("--sweep", action="store_true", help="sweep fused tile configs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: every mode at tiny dims under TRITON_INTERPRET=1, eager timing")
+    ap.add_argument("--heads", type=int, nargs="+", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=list(KV_DTYPES))
+    ap.add_argument("--impls", nargs="+", default=list(DECODE_IMPLS), choices=DECODE_IMPLS)
+    ap.add_argument("--mixed-impls", nargs="+", default=list(MIXED_IMPLS), choices=MIXED_IMPLS)
+    ap.add_argument("--formats", nargs="+", default=list(W_FORMATS), choices=W_FORMATS,
+                    help="weight formats of the fused rows")
+    ap.add_argument("--formats-all-kv", action="store_true",
+                    help="quantized-weight rows with every --kv (default: bf16 cache only)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--chain-batches", type=int, nargs="+", default=None)
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=None)
+    ap.add_argument("--sweep-formats", nargs="+", default=list(W_FORMATS), choices=W_FORMATS)
+    ap.add_argument("--sweep-max", type=int, default=0,
+                    help="at most this many configs per shape (evenly spread; 0 = all)")
+    ap.add_argument("--out", default=None, help="JSON path (written after every section)")
+    ap.add_argument("--plan", action="store_true",
+                    help="print what the run would do (rows, compiles, sweep configs) and exit")
+    a = ap.parse_args(argv)
+    modes = {m for m in ("rows", "chain", "floors", "mixed", "sweep") if getattr(a, m)}
+    if a.smoke:
+        modes = {"rows", "chain", "floors", "mixed", "sweep"}
+    elif a.all or not modes:
+        modes |= {"rows", "chain", "floors", "mixed"}
+    small = a.smoke
+    a.heads = a.heads or (SMOKE_HEADS if small else [16, 128])
+    a.batches = a.batches or (SMOKE_BATCHES if small else [1, 8, 32, 64, 128, 256, 512])
+    a.chain_batches = a.chain_batches or (SMOKE_BATCHES if small else [1, 8, 64])
+    a.sweep_batches = a.sweep_batches or (SMOKE_BATCHES if small else [1, 8, 64, 512])
+    return a, modes
 
+
+def main(argv=None) -> int:
+    a, modes = parse(argv)
+    print(estimate(a, modes), flush=True)
+    if a.plan:
+        return 0
+    if a.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--smoke runs the Triton interpreter: re-running with TRITON_INTERPRET=1",
+              flush=True)
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    if not a.smoke and not torch.cuda.is_available():
+        print("bench_prologue: needs a GPU (or --smoke, on the CPU under the Triton interpreter)")
+        return 2
+    os.environ["FUSEMLA_PDL"] = "off"  # the chain rows switch it on where they measure it
     torch._dynamo.config.cache_size_limit = 256
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
-    dims = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
-    copy_bw = copy_bandwidth_gbps()
-    commit = commit_id()
-    header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, python=platform.python_version(), commit=commit,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  copy_bw_gbps=round(copy_bw, 1), layers_per_graph=LAYERS,
-                  method="CUDA graph of 8 layers (distinct weights/activations/caches), "
-                         "do_bench median of replays / 8")
-    print(f"# {header['gpu']}  torch {header['torch']}  triton {header['triton']}  "
-          f"copy bandwidth {copy_bw:.0f} GB/s")
-    compiled_ref = torch.compile(mla_decode_prologue_ref, dynamic=True)
-    compiled_ref_mixed = torch.compile(mla_prologue_ref, dynamic=True)
-    rows, failures, sweep_rows = [], [], []
-
-    if a.pdl_chain:
-        for H, B in itertools.product(a.heads, a.batches):
-            pdl_rows(rows, failures, H, B, dims)
-        a.batches = []
-    if a.mixed or a.mixed_only:
-        for kv_name, H in itertools.product(a.kv, a.heads):
-            mixed_rows(rows, failures, H, dims, kv_name, copy_bw, compiled_ref_mixed)
-    if a.mixed_only:
-        a.batches = []
-
-    for kv_name, H, B in itertools.product(a.kv, a.heads, a.batches):
-        kv_dtype = torch.bfloat16 if kv_name == "bf16" else torch.float8_e4m3fn
-        layers = layer_inputs(B, H, dims, kv_dtype, seed=1000 * H + B)
-        # correctness at full dims, fresh poisoned cache
-        chk = layers[0]
-        before = chk.kv_cache.clone()
-        q = fused_call(chk)()
-        probs = check_against_reference(chk, q, before).problems
-        if probs:
-            failures.append((kv_name, H, B, probs))
-            print(f"!! H={H} B={B} kv={kv_name}: {probs}")
-        nbytes = min_bytes(B, H, dims["P"], dims["R"], dims["L"], 2, 2,
-                           1 if kv_name == "fp8" else 2)
-        impls = {"fused": [fused_call(x) for x in layers],
-                 "unfused": [(lambda x=x: mla_decode_prologue_ref(
-                     *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]}
-        if a.only_fused:
-            del impls["unfused"]
-        if not a.no_compile and not a.only_fused:
-            impls["unfused_compiled"] = [(lambda x=x: compiled_ref(
-                *x.args(), kv_scale=x.kv_scale, out=x.extra["out"])) for x in layers]
-        variants = {}
-        if kv_name == "bf16" and not a.no_quant:
-            for label in W_VARIANTS:
-                try:
-                    p = check_variant(chk, label)
-                except Exception as e:  # report it, keep the other rows
-                    p = [f"{label}: raised {type(e).__name__}: {e}"]
-                if p:
-                    failures.append((kv_name, H, B, p))
-                    print(f"!! H={H} B={B}: {p}")
-                variants[label] = [variant_call(x, label) for x in layers]
-        if kv_name == "bf16" and not a.only_fused:
-            impls["cublas_bmm_only"] = [(lambda x=x: torch.bmm(
-                x.q_nope.transpose(0, 1), x.w_uk_t,
-                out=x.extra.setdefault("bmm_out", torch.empty(H, B, dims["L"], dtype=torch.bfloat16,
-                                                              device="cuda")))) for x in layers]
-        for impl, calls in impls.items():
-            try:
-                us = time_graph(calls)
-            except Exception as e:  # report, keep the other rows
-                print(f"!! {impl} H={H} B={B} kv={kv_name} failed: {type(e).__name__}: {e}")
-                continue
-            gbps = nbytes / (us * 1e-6) / 1e9
-            rows.append(dict(op=OP, impl=impl, w_dtype="bf16", kv_dtype=DTYPE_NAMES[kv_dtype],
-                             H=H, B=B, us=round(us, 3), gbps=round(gbps, 1),
-                             pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nbytes,
-                             correct=not probs if impl == "fused" else None))
-        for label, calls in variants.items():
-            try:
-                us = time_graph(calls)
-            except Exception as e:
-                print(f"!! fused {label} H={H} B={B} failed: {type(e).__name__}: {e}")
-                continue
-            wbytes = {"fp8": 1, "fp8_act": 1, "mxfp4": 0.5 + 1 / 32}[label]
-            nb = min_bytes(B, H, dims["P"], dims["R"], dims["L"], 2, wbytes, 2)
-            gbps = nb / (us * 1e-6) / 1e9
-            rows.append(dict(op=OP, impl="fused", w_dtype=label, kv_dtype="bf16", H=H, B=B,
-                             us=round(us, 3), gbps=round(gbps, 1),
-                             pct_copy_bw=round(100 * gbps / copy_bw, 1), min_bytes=nb))
-        if a.sweep and kv_name == "bf16" and B in a.sweep_batches:
-            best = None
-            for cfg in sweep_configs(H, dims, B):
-                try:
-                    us = time_graph([fused_call(x, cfg) for x in layers], rep=40)
-                except Exception as e:  # a tile config that does not compile (shared memory)
-                    print(f"   skip {cfg}: {type(e).__name__}")
-                    continue
-                keys = ("BLOCK_L", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm")
-                rec = dict(H=H, B=B, us=round(us, 3), **{k: cfg[k] for k in keys})
-                sweep_rows.append(rec)
-                if best is None or us < best["us"]:
-                    best = rec
-            print(f"   sweep H={H} B={B}: best {best}")
-        del layers, impls
-        torch.cuda.empty_cache()
-
-    # table
-    print_quant_table(rows, a)
-    print(f"\n{'kv':>8} {'H':>4} {'B':>4} | " + " | ".join(
-        f"{n:>24}" for n in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only")))
-    print(f"{'':>8} {'':>4} {'':>4} | " + " | ".join(f"{'us  GB/s  %bw':>24}" for _ in range(4)))
-    for kv_name, H, B in itertools.product(a.kv, a.heads, a.batches):
-        kvd = "bf16" if kv_name == "bf16" else "fp8e4m3"
-        cells = []
-        for impl in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only"):
-            r = [x for x in rows if x["impl"] == impl and x["H"] == H and x["B"] == B
-                 and x["kv_dtype"] == kvd and x["w_dtype"] == "bf16"]
-            cells.append(f"{r[0]['us']:8.2f} {r[0]['gbps']:7.0f} {r[0]['pct_copy_bw']:5.1f}%"
-                         if r else f"{'-':>24}")
-        print(f"{kvd:>8} {H:>4} {B:>4} | " + " | ".join(cells))
-    result = dict(header=header, rows=rows)
-    if sweep_rows:
-        result["sweep"] = sweep_rows
-    if failures:
-        result["failures"] = [dict(kv=k, H=h, B=b, problems=p) for k, h, b, p in failures]
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {a.out}")
-    if a.plot:
-        plot(rows, a.plot, header)
-    print("correctness:", "all shapes agree with the reference" if not failures
-          else f"{len(failures)} shapes FAILED")
-    return 1 if failures else 0
-
-
-def print_quant_table(rows, a):
-    """µs per layer of the fused kernel by weight format (bf16 cache), and the ratio to bf16."""
-    labels = ["bf16", *W_VARIANTS]
-    print(f"\n{'H':>4} {'B':>4} | " + " | ".join(f"{x:>15}" for x in labels))
-    for H, B in itertools.product(a.heads, a.batches):
-        by = {r["w_dtype"]: r["us"] for r in rows if r["impl"] == "fused" and r["H"] == H
-              and r["B"] == B and r["kv_dtype"] == "bf16"}
-        if "bf16" not in by:
+    device = "cpu" if a.smoke else "cuda"
+    dims = dict(SMOKE_DIMS) if a.smoke else {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
+    max_tokens = max([*a.batches, *a.chain_batches, *a.sweep_batches,
+                      12 if a.smoke else 544])
+    b = Bench(smoke=a.smoke, device=device, dims=dims,
+              layers=SMOKE_LAYERS if a.smoke else LAYERS,
+              num_blocks=max(2, (2 * max_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE + 1),
+              out_path=a.out)
+    b.copy_bw = copy_bandwidth_gbps(device)
+    b.header = dict(
+        gpu=torch.cuda.get_device_name() if not a.smoke else "cpu (smoke: Triton interpreter)",
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        commit=commit_id(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        copy_bw_gbps=round(b.copy_bw, 1), layers_per_graph=b.layers, dims=dims,
+        block_size=BLOCK_SIZE, smoke=a.smoke, modes=sorted(modes),
+        pdl="FUSEMLA_PDL=off everywhere except the pdl_chain rows named *_pdl_on",
+        method=("one eager pass timed with time.perf_counter (smoke: not a speed)" if a.smoke
+                else f"CUDA graph of {b.layers} layers (distinct weights/activations/outputs/"
+                "caches), do_bench median of replays / layers; every row checked against the "
+                "reference on the captured graph (NaN-poisoned outputs and cache) before "
+                "timing"))
+    print(f"# {b.header['gpu']}  torch {b.header['torch']}  triton {b.header['triton']}  "
+          f"commit {b.header['commit'][:12]}  copy bandwidth {b.copy_bw:.0f} GB/s", flush=True)
+    t_start = time.perf_counter()
+    self_test(b)
+    sections = (("floors", floor_rows), ("rows", decode_rows), ("mixed", mixed_rows),
+                ("chain", chain_rows), ("sweep", sweep_rows))
+    for name, fn in sections:
+        if name not in modes:
             continue
-        cells = [f"{by[x]:7.2f} ({by[x] / by['bf16']:4.2f}x)" if x in by else f"{'-':>15}"
-                 for x in labels]
-        print(f"{H:>4} {B:>4} | " + " | ".join(cells))
+        t0 = time.perf_counter()
+        print(f"\n== {name}", flush=True)
+        try:
+            fn(b, a)
+        except Exception as e:  # noqa: BLE001 - keep the other sections and the JSON
+            b.fail(dict(op=name, impl="section"), [f"section raised {type(e).__name__}: {e}"])
+        print(f"== {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        b.save()
+    print_tables(b.rows)
+    b.header["wall_s"] = round(time.perf_counter() - t_start, 1)
+    b.header["torch_compile_graphs"] = int(
+        torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
+    b.save()
+    if a.out:
+        print(f"wrote {a.out}")
+    bad_rows = [r for r in b.rows if r.get("correct") is not True]
+    if b.failures or bad_rows:
+        for f in b.failures:
+            print(f"  FAILED {fmt_key(f)}: {'; '.join(f['problems'])[:300]}")
+        print(f"correctness: {len(b.failures)} FAILED checks/errors"
+              + (f", {len(bad_rows)} rows not correct" if bad_rows else "")
+              + " (see 'failures'); exit status 1")
+        return 1
+    print(f"correctness: all {len(b.rows)} rows and {len(b.sweep)} sweep configs checked and "
+          "agree with the reference")
+    return 0
 
 
-def plot(rows, path, header):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib: skipping the plot")
-        return
-    heads = sorted({r["H"] for r in rows})
-    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4), squeeze=False)
-    for ax, H in zip(axes[0], heads):
-        for impl in ("fused", "unfused", "unfused_compiled", "cublas_bmm_only"):
-            rs = sorted((r for r in rows if r["H"] == H and r["impl"] == impl
-                         and r["kv_dtype"] == "bf16" and r["w_dtype"] == "bf16"),
-                        key=lambda r: r["B"])
-            if rs:
-                ax.plot([r["B"] for r in rs], [r["us"] for r in rs], marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("decode tokens B")
-        ax.set_ylabel("µs per layer")
-        ax.set_title(f"MLA decode prologue, H={H}, bf16 W + cache")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(header["gpu"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+def print_tables(rows: list) -> None:
+    impls = [i for i in DECODE_IMPLS if any(r["impl"] == i for r in rows)]
+    dec = [r for r in rows if r["op"] == "decode_prologue"]
+    if dec:
+        print("\nDecode prologue, bf16 weights, us per layer (GB/s of min_bytes):")
+        print(f"{'kv':>8} {'H':>4} {'B':>4} | " + " | ".join(f"{i:>18}" for i in impls))
+        for kv, H, B in sorted({(r["kv_dtype"], r["H"], r["B"]) for r in dec}):
+            cells = []
+            for i in impls:
+                m = [r for r in dec if (r["impl"], r["kv_dtype"], r["H"], r["B"], r["w_dtype"])
+                     == (i, kv, H, B, "bf16")]
+                cells.append(f"{m[0]['us']:9.2f} {m[0]['gbps']:7.0f}" if m else f"{'-':>18}")
+            print(f"{kv:>8} {H:>4} {B:>4} | " + " | ".join(cells))
+        fused = [r for r in dec if r["impl"] == "fused"]
+        shapes = sorted({(r["kv_dtype"], r["H"], r["B"]) for r in fused if r["w_dtype"] != "bf16"})
+        if shapes:
+            print("\nFused by weight format, us per layer (x the bf16-weight time):")
+            print(f"{'kv':>8} {'H':>4} {'B':>4} | " + " | ".join(f"{w:>15}" for w in W_FORMATS))
+            for kv, H, B in shapes:
+                by = {r["w_dtype"]: r["us"] for r in fused
+                      if (r["kv_dtype"], r["H"], r["B"]) == (kv, H, B)}
+                ref = by.get("bf16")
+                cells = [f"{by[w]:7.2f} ({by[w] / ref:4.2f}x)" if w in by and ref else
+                         f"{'-':>15}" for w in W_FORMATS]
+                print(f"{kv:>8} {H:>4} {B:>4} | " + " | ".join(cells))
+    for op in ("mixed_prologue", "pdl_chain", "floor"):
+        sel = [r for r in rows if r["op"] == op]
+        if sel:
+            print(f"\n{op}:")
+            for r in sel:
+                print(f"  {r['impl']:>38} kv={r.get('kv_dtype')} H={r.get('H')} B={r.get('B')}:"
+                      f" {r['us']:9.2f} us")
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

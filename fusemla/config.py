@@ -8,17 +8,6 @@
     clamped into ``[0, max_position)`` and slots ``>= num_blocks * block_size`` are skipped like
     negative ones.
 
-``FUSEMLA_FP8_ACTIVATIONS`` = ``auto`` (default) | ``on`` | ``off``
-    How kernels with FP8 weights treat the activations. ``on`` (also ``1``/``true``/``yes``):
-    quantize them in the kernel per token and head and run the FP8 tensor-core dot; ``off``
-    (also ``0``/``false``/``no``): keep bf16 activations and upcast the weights in registers;
-    ``auto``: FP8 activations when the chip has FP8 tensor cores and the batch has at least
-    :data:`fusemla.platform.FP8_ACT_MIN_BATCH` tokens (None, i.e. never, since they lost to
-    bf16 activations at every shape measured on the H200). Read on every call
-    (:func:`fusemla.platform.choose_fp8_activations`); any other value raises
-    :class:`~fusemla.errors.FuseMLAValueError`. ``on`` is obeyed even on chips without FP8
-    tensor cores (it is meant for experiments).
-
 ``FUSEMLA_MXFP4_PATH`` = ``auto`` (default) | ``dot_scaled`` | ``dequant``
     How kernels with MXFP4 weights multiply: ``dot_scaled`` feeds the packed FP4 values and
     their E8M0 scales to ``tl.dot_scaled`` (hardware MX dots on Blackwell and gfx950);
@@ -44,8 +33,9 @@
 ``FUSEMLA_PDL`` = ``auto`` (default) | ``on`` | ``off``
     Programmatic dependent launch of the prologue kernel (NVIDIA sm_90+, Triton >= 3.4): the
     kernel may start while the kernel before it still runs, loading its weights early.
-    ``auto``: on where supported (:func:`fusemla.platform.choose_pdl`); ``on`` where
-    unsupported raises; ``off``: plain launches.
+    ``auto``: on where supported (:func:`fusemla.platform.choose_pdl`); ``on`` (also
+    ``1``/``true``/``yes``) where unsupported raises; ``off`` (also ``0``/``false``/``no``):
+    plain launches. Any other value raises :class:`~fusemla.errors.FuseMLAValueError`.
 
 Empty values count as unset; values are case-insensitive and surrounding blanks are ignored.
 """
@@ -78,10 +68,10 @@ def interpreting() -> bool:
     return env_flag("TRITON_INTERPRET")
 
 
-FP8_ACTIVATIONS_ENV = "FUSEMLA_FP8_ACTIVATIONS"
 MXFP4_PATH_ENV = "FUSEMLA_MXFP4_PATH"
 
-_FP8_ACT_MODES = {
+#: auto / on / off, with the spellings of a boolean switch
+_AUTO_ON_OFF_MODES = {
     "auto": "auto",
     **{v: "on" for v in ("on", "1", "true", "yes")},
     **{v: "off" for v in ("off", "0", "false", "no")},
@@ -105,15 +95,6 @@ def _env_choice(name: str, choices: dict[str, str], expected: str) -> str:
     return mode
 
 
-def fp8_activations_mode() -> str:
-    """``FUSEMLA_FP8_ACTIVATIONS`` normalized to "auto" | "on" | "off" (unset or empty: "auto").
-
-    Raises :class:`~fusemla.errors.FuseMLAValueError` naming the variable for any other value.
-    """
-    return _env_choice(FP8_ACTIVATIONS_ENV, _FP8_ACT_MODES,
-                       "auto, on/1/true/yes or off/0/false/no")
-
-
 PDL_ENV = "FUSEMLA_PDL"
 
 
@@ -122,7 +103,7 @@ def pdl_mode() -> str:
 
     Raises :class:`~fusemla.errors.FuseMLAValueError` naming the variable for any other value.
     """
-    return _env_choice(PDL_ENV, _FP8_ACT_MODES, "auto, on/1/true/yes or off/0/false/no")
+    return _env_choice(PDL_ENV, _AUTO_ON_OFF_MODES, "auto, on/1/true/yes or off/0/false/no")
 
 
 def mxfp4_path_mode() -> str:

@@ -1,14 +1,12 @@
 """What the current accelerator can do, and which kernel variant to run on it.
 
 One Triton source serves NVIDIA and AMD GPUs, the Triton interpreter and a PyTorch fallback;
-the variants differ in which number formats the matrix units take natively:
+they differ in the number formats the chip stores and multiplies:
 
-* FP8 weights: on chips with FP8 tensor cores (sm_89+, gfx940/941/942, gfx950) a large batch
-  runs fastest with FP8 activations (quantized in the kernel per token and head); a small batch
-  is bound by the weight read, so bf16 activations with the weights upcast in registers cost
-  nothing and keep full activation precision. The MI300 family (gfx940/941/942) computes with
+* FP8 (weights, KV cache, query output): the MI300 family (gfx940/941/942) uses
   ``float8_e4m3fnuz`` (bias 8, no negative zero, max 240); everything else uses the OCP
-  ``float8_e4m3fn`` (bias 7, max 448).
+  ``float8_e4m3fn`` (bias 7, max 448). FP8 weights are upcast to the activations' dtype
+  (bf16/fp16) in registers on every platform.
 * MXFP4 weights: ``tl.dot_scaled`` maps onto hardware MX dots on the Blackwell family
   (sm_100+, compute capability major >= 10) and gfx950; elsewhere the kernel dequantizes.
 
@@ -23,7 +21,6 @@ Triton is imported lazily, only for its version string.
 from __future__ import annotations
 
 import functools
-import operator
 import os
 import re
 from dataclasses import dataclass
@@ -35,14 +32,12 @@ from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 
 __all__ = [
     "BACKENDS",
-    "FP8_ACT_MIN_BATCH",
     "PlatformInfo",
     "PrologueVariant",
     "choose_pdl",
     "choose_prologue_variant",
     "mxfp4_tiles_fit",
     "supports_pdl",
-    "choose_fp8_activations",
     "choose_mxfp4_path",
     "clear_cache",
     "default_fp8_weight_dtype",
@@ -54,14 +49,6 @@ __all__ = [
 #: the values of :attr:`PlatformInfo.backend`
 BACKENDS = ("cuda", "rocm", "interpreter", "cpu")
 _BACKEND_ALIASES = {"hip": "rocm"}
-
-#: smallest number of tokens for which ``auto`` picks FP8 activations on chips with FP8 tensor
-#: cores; None: never. Measured on the H200 (benchmarks/results/h200_decode_prologue*.json):
-#: FP8 activations were 1.0-2.3x slower than bf16 activations with the same FP8 weights at
-#: every H in {16, 128} and B in 1..512 (the in-kernel quantization and the second scale cost
-#: more than the narrower dot saves), so auto keeps bf16 activations. Read at call time, so it
-#: can be patched; chips measured later can set their own threshold here.
-FP8_ACT_MIN_BATCH: int | None = None
 
 #: MI300 family: FP8 MFMA in the FNUZ formats
 _GFX_FNUZ = frozenset({"gfx940", "gfx941", "gfx942"})
@@ -288,36 +275,6 @@ def _check_info(info: object) -> PlatformInfo:
     return info
 
 
-def choose_fp8_activations(info: PlatformInfo, num_tokens: int) -> bool:
-    """Whether FP8 weights run with FP8 activations (True) or bf16 activations (False).
-
-    True: the kernel quantizes the activations per token and head and runs the FP8
-    tensor-core dot. False: activations stay bf16 and the weights are upcast in registers.
-    ``FUSEMLA_FP8_ACTIVATIONS`` = "on" / "off" forces the answer (even on a chip without FP8
-    tensor cores); "auto" (default) gives ``info.native_fp8 and num_tokens >=
-    FP8_ACT_MIN_BATCH`` (never while that is None, as measured on the H200).
-
-    Raises:
-        FuseMLAValueError: ``num_tokens`` is negative, or the environment variable holds an
-            invalid value (the message names it).
-        FuseMLATypeError: ``info`` is not a PlatformInfo or ``num_tokens`` not an integer.
-    """
-    _check_info(info)
-    if isinstance(num_tokens, bool):
-        raise FuseMLATypeError(f"num_tokens: expected an int, got {num_tokens!r}")
-    try:
-        n = operator.index(num_tokens)
-    except TypeError:
-        raise FuseMLATypeError(
-            f"num_tokens: expected an int, got {type(num_tokens).__name__}") from None
-    if n < 0:
-        raise FuseMLAValueError(f"num_tokens: expected >= 0, got {n}")
-    mode = config.fp8_activations_mode()
-    if mode != "auto":
-        return mode == "on"
-    return FP8_ACT_MIN_BATCH is not None and info.native_fp8 and n >= FP8_ACT_MIN_BATCH
-
-
 def choose_mxfp4_path(info: PlatformInfo) -> str:
     """How MXFP4 weights are multiplied: "dot_scaled" (``tl.dot_scaled``) or "dequant".
 
@@ -350,20 +307,18 @@ def choose_mxfp4_path(info: PlatformInfo) -> str:
 @dataclass(frozen=True)
 class PrologueVariant:
     """Which variant of the prologue kernel runs: the one decision, made by
-    :func:`choose_prologue_variant` for the launcher, the reference, ``fusemla info`` and tests."""
+    :func:`choose_prologue_variant` for the launcher, ``fusemla info`` and tests."""
 
     #: "plain" (weights in the activations' dtype), "fp8" or "mxfp4"
     weight_format: str
-    #: FP8 weights only: activations quantized to FP8 per (token, head) in the kernel
-    fp8_activations: bool
     #: MXFP4 weights only: "dot_scaled" or "dequant"; None for other formats
     mxfp4_path: str | None
 
     @property
-    def kernel_flags(self) -> tuple[int, bool, bool]:
-        """(W_FMT, ACT_FP8, MX_NATIVE) as the kernel takes them."""
+    def kernel_flags(self) -> tuple[int, bool]:
+        """(W_FMT, MX_NATIVE) as the kernel takes them."""
         w_fmt = {"plain": 0, "fp8": 1, "mxfp4": 2}[self.weight_format]
-        return w_fmt, self.fp8_activations, self.mxfp4_path == "dot_scaled"
+        return w_fmt, self.mxfp4_path == "dot_scaled"
 
 
 def mxfp4_tiles_fit(P: int, L: int, block_l: int) -> bool:
@@ -374,26 +329,22 @@ def mxfp4_tiles_fit(P: int, L: int, block_l: int) -> bool:
 
 
 def choose_prologue_variant(info: PlatformInfo, *, weight_format: str, num_tokens: int,
-                            fp8_activations: bool | None = None, P: int | None = None,
-                            L: int | None = None, block_l: int | None = None) -> PrologueVariant:
+                            P: int | None = None, L: int | None = None,
+                            block_l: int | None = None) -> PrologueVariant:
     """The prologue kernel variant for ``info``, a weight format and a batch.
 
-    ``fp8_activations`` (FP8 weights): True/False as the caller asked, None =
-    :func:`choose_fp8_activations`. MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles
-    (``P``, ``L``, ``block_l``; see :func:`mxfp4_tiles_fit`) cannot feed ``tl.dot_scaled``,
-    "auto" picks "dequant" and a forced ``FUSEMLA_MXFP4_PATH=dot_scaled`` raises.
+    Plain and FP8 weights have one variant each (FP8 weights are upcast to the activations'
+    dtype in registers). MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles (``P``,
+    ``L``, ``block_l``; see :func:`mxfp4_tiles_fit`) cannot feed ``tl.dot_scaled``, "auto"
+    picks "dequant" and a forced ``FUSEMLA_MXFP4_PATH=dot_scaled`` raises.
 
     Raises:
         FuseMLAValueError: an unknown weight format, an invalid environment override, or a
             forced choice that cannot run here.
     """
     _check_info(info)
-    if weight_format == "plain":
-        return PrologueVariant("plain", False, None)
-    if weight_format == "fp8":
-        act = (choose_fp8_activations(info, num_tokens) if fp8_activations is None
-               else bool(fp8_activations))
-        return PrologueVariant("fp8", act, None)
+    if weight_format in ("plain", "fp8"):
+        return PrologueVariant(weight_format, None)
     if weight_format != "mxfp4":
         raise FuseMLAValueError(
             f"weight_format: expected 'plain', 'fp8' or 'mxfp4', got {weight_format!r}")
@@ -405,7 +356,7 @@ def choose_prologue_variant(info: PlatformInfo, *, weight_format: str, num_token
                 f"P={P}, L={L} and tile BLOCK_L={block_l}: tl.dot_scaled needs P a power of two "
                 ">= 32 and L a multiple of BLOCK_L. Unset it or set it to 'dequant'")
         path = "dequant"
-    return PrologueVariant("mxfp4", False, path)
+    return PrologueVariant("mxfp4", path)
 
 
 def supports_pdl(info: PlatformInfo) -> bool:
@@ -488,26 +439,15 @@ def report_lines(info: PlatformInfo) -> list[str]:
         f"  FP8 dtype: {dtype_name}",
         (f"  native FP8 dots: {_yes(info.native_fp8)}{fp8_note}; "
          f"native FP4 (MX) dots: {_yes(info.native_fp4)}"),
+        "  FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers",
     ]
     dims = dict(P=128, L=512, block_l=128)  # DeepSeek-V3
-    for batch in (1, 512):
-        try:
-            v = choose_prologue_variant(info, weight_format="fp8", num_tokens=batch, **dims)
-            act = ("FP8 activations (per-token-per-head quantization, FP8 dot)"
-                   if v.fp8_activations else "bf16 activations (weights upcast in registers)")
-        except FuseMLAValueError:
-            act = f"cannot choose: {config.FP8_ACTIVATIONS_ENV} is invalid (below)"
-        lines.append(f"  FP8 weights, B={batch}: {act}")
     try:
         path = choose_prologue_variant(info, weight_format="mxfp4", num_tokens=1,
                                        **dims).mxfp4_path
     except FuseMLAValueError as exc:
         path = f"error: {exc}"
     lines.append(f"  MXFP4 weights: {path}")
-    threshold = ("never (bf16 activations won at every shape measured on the H200)"
-                 if FP8_ACT_MIN_BATCH is None else f"B >= {FP8_ACT_MIN_BATCH} on native-FP8 chips")
-    lines.append(f"  auto FP8 activations: {threshold}")
-    lines.append("  env: " + _env_line(config.FP8_ACTIVATIONS_ENV, config.fp8_activations_mode))
     lines.append("  env: " + _env_line(config.MXFP4_PATH_ENV, config.mxfp4_path_mode))
     try:
         pdl = "on" if choose_pdl(info) else "off"

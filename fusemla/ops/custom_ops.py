@@ -21,7 +21,7 @@ def mla_prologue_op(
     positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int, is_neox: bool,
     apply_rope: bool, kv_scale_tensor: torch.Tensor | None, kv_scale_value: float,
-    q_scale_tensor: torch.Tensor | None, q_scale_value: float, fp8_activations: int,
+    q_scale_tensor: torch.Tensor | None, q_scale_value: float,
     q_out: torch.Tensor, q_pe_out: torch.Tensor, k_pe_out: torch.Tensor,
 ) -> None:
     """The fused prologue on arguments already validated by the public function."""
@@ -39,7 +39,6 @@ def mla_prologue_op(
         num_decode_tokens=num_decode_tokens, is_neox=is_neox, apply_rope=apply_rope,
         kv_scale=kv_scale_tensor if kv_scale_tensor is not None else kv_scale_value,
         q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale_value,
-        fp8_activations=None if fp8_activations < 0 else bool(fp8_activations),
         q=q_out, q_pe_out=q_pe_out, k_pe_out=k_pe_out,
     ))
 
@@ -48,7 +47,7 @@ def mla_prologue_op(
 def _mla_prologue_fake(q_nope, q_pe, kv_c, k_pe, w_data, w_scale, w_format, positions,
                        cos_cache, sin_cache, kv_cache, slot_mapping, num_decode_tokens, is_neox,
                        apply_rope, kv_scale_tensor, kv_scale_value, q_scale_tensor,
-                       q_scale_value, fp8_activations, q_out, q_pe_out, k_pe_out) -> None:
+                       q_scale_value, q_out, q_pe_out, k_pe_out) -> None:
     return None
 
 
@@ -59,8 +58,7 @@ def call_mla_prologue(args: PrologueArgs) -> None:
                                  else (w.data, w.scale, w.format))
     kv_t, kv_v = split_scale(args.kv_scale)
     q_t, q_v = split_scale(args.q_scale)
-    act = -1 if args.fp8_activations is None else int(args.fp8_activations)
     mla_prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, w_data, w_scale, w_format,
                     args.positions, args.cos_cache, args.sin_cache, args.kv_cache,
                     args.slot_mapping, args.num_decode_tokens, args.is_neox, args.apply_rope,
-                    kv_t, kv_v, q_t, q_v, act, args.q, args.q_pe_out, args.k_pe_out)
+                    kv_t, kv_v, q_t, q_v, args.q, args.q_pe_out, args.k_pe_out)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from fusemla import platform
 from fusemla.dtypes import FP8_DTYPES, fp8_max
 from fusemla.ops.prologue.args import PrologueArgs, PrologueOutput, Scale, prepare
 from fusemla.rope import apply_rope
@@ -31,22 +30,12 @@ def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtyp
     return (x.float() / scale.float()).clamp(-m, m).to(dtype)
 
 
-def uses_fp8_activations(args: PrologueArgs) -> bool:
-    """Whether FP8 weights run against FP8-quantized activations, as the kernel decides it."""
-    if getattr(args.w_uk_t, "format", None) != "fp8":
-        return False
-    return platform.choose_prologue_variant(
-        platform.detect(args.q_nope.device), weight_format="fp8", num_tokens=args.D,
-        fp8_activations=args.fp8_activations).fp8_activations
-
-
 def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
     """``q_nope @ W_UK_T[h]`` per head, ``[B, H, L]``, quantizing exactly as the kernel does.
 
     Plain weights: ``torch.bmm`` in the activations' dtype (what engines run), or in fp32 when
     ``fp32`` (the result is rounded again later, e.g. to FP8). FP8 weights: ``data * scale``
-    with fp32 products, the activations either as they are or quantized to the weight's FP8
-    format per (token, head) with ``a_scale = amax / fp8_max``. MXFP4: the dequantized weight.
+    with fp32 products and the activations as they are. MXFP4: the dequantized weight.
     Returns ``[D, H, L]`` (decode tokens only), fp32 unless it is the plain
     activations'-dtype product.
     """
@@ -57,16 +46,7 @@ def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
         return out.transpose(0, 1)
     if w.format == "mxfp4":
         return torch.bmm(qn.float(), w.dequantize(torch.float32)).transpose(0, 1)
-    a = qn.float()
-    a_scale = None
-    if uses_fp8_activations(args):
-        fmax = torch.full((), fp8_max(w.data.dtype), dtype=torch.float32, device=a.device)
-        amax = a.abs().amax(dim=-1, keepdim=True)
-        a_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-        a = quantize_fp8(a, a_scale, w.data.dtype).float()
-    out = torch.bmm(a, w.data.float())  # [H, B, L]
-    if a_scale is not None:
-        out = out * a_scale
+    out = torch.bmm(qn.float(), w.data.float())  # [H, D, L]
     w_scale = w.scale.float().reshape(-1, 1, 1)  # [1] or [H] -> broadcast over heads
     return (out * w_scale).transpose(0, 1)
 
@@ -157,14 +137,12 @@ def mla_prologue_ref(
     k_pe_out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: bool | None = None,
 ) -> PrologueOutput:
     """Unfused reference of :func:`fusemla.mla_prologue` (same arguments and result)."""
     args = prepare(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
                    slot_mapping, num_decode_tokens=num_decode_tokens, is_neox=is_neox,
                    rope_applied=rope_applied, kv_scale=kv_scale, out=out, q_pe_out=q_pe_out,
-                   k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale,
-                   fp8_activations=fp8_activations)
+                   k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale)
     prologue_into(args)
     return args.outputs
 
@@ -187,10 +165,8 @@ def mla_decode_prologue_ref(
     out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """:func:`mla_prologue_ref` for an all-decode batch; returns ``q [N, H, L + R]``."""
     return mla_prologue_ref(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
                             kv_cache, slot_mapping, is_neox=is_neox, rope_applied=rope_applied,
-                            kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype,
-                            q_scale=q_scale, fp8_activations=fp8_activations).q
+                            kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale).q

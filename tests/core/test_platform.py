@@ -15,7 +15,6 @@ from fusemla import platform as plat
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.platform import (
     PlatformInfo,
-    choose_fp8_activations,
     choose_prologue_variant,
     mxfp4_tiles_fit,
     choose_mxfp4_path,
@@ -26,7 +25,7 @@ from fusemla.platform import (
 )
 
 E4M3FN, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
-ENV_VARS = ("FUSEMLA_FP8_ACTIVATIONS", "FUSEMLA_MXFP4_PATH", "FUSEMLA_PDL")
+ENV_VARS = ("FUSEMLA_MXFP4_PATH", "FUSEMLA_PDL")
 
 
 @pytest.fixture(autouse=True)
@@ -131,95 +130,6 @@ def test_platform_from_rejects(backend, arch, argument):
 def test_platform_from_rejects_device_name_type():
     with pytest.raises(FuseMLATypeError, match="^device_name:"):
         platform_from("cuda", "sm_90", device_name=0)  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------------------------
-# choose_fp8_activations
-# --------------------------------------------------------------------------------------------
-
-
-#: the shipped threshold, read before the fixture below replaces it
-SHIPPED_FP8_ACT_MIN_BATCH = plat.FP8_ACT_MIN_BATCH
-
-
-@pytest.fixture(autouse=True)
-def _threshold_64(monkeypatch):
-    """The auto rule's tests use a threshold of 64 (the shipped value is None: never)."""
-    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", 64)
-
-
-@pytest.mark.parametrize("num_tokens", [0, 1, 8, 63, 64, 65, 512, 4096])
-def test_fp8_activations_auto_default_is_bf16(num_tokens, monkeypatch):
-    # measured on the H200: FP8 activations never won, so auto keeps bf16 activations
-    assert SHIPPED_FP8_ACT_MIN_BATCH is None
-    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", SHIPPED_FP8_ACT_MIN_BATCH)
-    for info in (H200(), platform_from("cuda", "sm_100"), platform_from("rocm", "gfx942")):
-        assert choose_fp8_activations(info, num_tokens) is False
-
-
-@pytest.mark.parametrize("num_tokens", [0, 1, 8, 63, 64, 65, 512, 4096])
-def test_fp8_activations_auto_with_a_threshold(num_tokens, monkeypatch):
-    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", 64)
-    big = num_tokens >= plat.FP8_ACT_MIN_BATCH
-    assert choose_fp8_activations(H200(), num_tokens) is big
-    assert choose_fp8_activations(platform_from("cuda", "sm_100"), num_tokens) is big
-    assert choose_fp8_activations(platform_from("rocm", "gfx942"), num_tokens) is big
-    assert choose_fp8_activations(platform_from("interpreter"), num_tokens) is big
-    # no FP8 tensor cores: always bf16 activations
-    assert choose_fp8_activations(platform_from("cuda", "sm_80"), num_tokens) is False
-    assert choose_fp8_activations(platform_from("rocm", "gfx90a"), num_tokens) is False
-    assert choose_fp8_activations(platform_from("cpu"), num_tokens) is False
-
-
-def test_fp8_activations_threshold_is_read_at_call_time(monkeypatch):
-    monkeypatch.setattr(plat, "FP8_ACT_MIN_BATCH", 16)
-    assert choose_fp8_activations(H200(), 15) is False
-    assert choose_fp8_activations(H200(), 16) is True
-
-
-@pytest.mark.parametrize("value", ["on", "1", "true", "TRUE", " On ", "yes"])
-def test_fp8_activations_forced_on(monkeypatch, value):
-    monkeypatch.setenv("FUSEMLA_FP8_ACTIVATIONS", value)
-    assert config.fp8_activations_mode() == "on"
-    for n in (1, 512):
-        assert choose_fp8_activations(H200(), n) is True
-        assert choose_fp8_activations(platform_from("cuda", "sm_80"), n) is True  # obeyed
-
-
-@pytest.mark.parametrize("value", ["off", "0", "false", "OFF", "no"])
-def test_fp8_activations_forced_off(monkeypatch, value):
-    monkeypatch.setenv("FUSEMLA_FP8_ACTIVATIONS", value)
-    assert config.fp8_activations_mode() == "off"
-    for n in (1, 512, 100_000):
-        assert choose_fp8_activations(H200(), n) is False
-
-
-@pytest.mark.parametrize("value", ["auto", "AUTO", "", "  "])
-def test_fp8_activations_auto_spelled_out(monkeypatch, value):
-    monkeypatch.setenv("FUSEMLA_FP8_ACTIVATIONS", value)
-    assert config.fp8_activations_mode() == "auto"
-    assert choose_fp8_activations(H200(), 1) is False
-    assert choose_fp8_activations(H200(), 512) is True
-
-
-@pytest.mark.parametrize("value", ["maybe", "2", "fp8", "enable"])
-def test_fp8_activations_invalid_env(monkeypatch, value):
-    monkeypatch.setenv("FUSEMLA_FP8_ACTIVATIONS", value)
-    with pytest.raises(FuseMLAValueError, match="FUSEMLA_FP8_ACTIVATIONS") as err:
-        choose_fp8_activations(H200(), 512)
-    assert repr(value) in str(err.value)
-
-
-def test_fp8_activations_bad_arguments():
-    with pytest.raises(FuseMLAValueError, match="^num_tokens:"):
-        choose_fp8_activations(H200(), -1)
-    with pytest.raises(FuseMLATypeError, match="^num_tokens:"):
-        choose_fp8_activations(H200(), 64.0)  # type: ignore[arg-type]
-    with pytest.raises(FuseMLATypeError, match="^num_tokens:"):
-        choose_fp8_activations(H200(), True)
-    with pytest.raises(FuseMLATypeError, match="^info:"):
-        choose_fp8_activations("sm_90", 64)  # type: ignore[arg-type]
-    assert choose_fp8_activations(H200(), torch.tensor(512).item()) is True
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,7 +282,6 @@ def test_detect_fake_rocm_mi355_and_mi250(monkeypatch):
     fake_rocm(monkeypatch, gcn="gfx90a:sramecc+:xnack-", name="AMD Instinct MI250X")
     info = detect()
     assert (info.arch, info.native_fp8, info.native_fp4) == ("gfx90a", False, False)
-    assert choose_fp8_activations(info, 4096) is False
 
 
 def test_detect_fake_rocm_without_arch_name(monkeypatch):
@@ -386,8 +295,6 @@ def test_detect_fake_cuda_h200(monkeypatch):
     info = detect()
     assert info == platform_from("cuda", "sm_90", "NVIDIA H200")
     assert (info.fp8_dtype, info.native_fp8, info.native_fp4) == (E4M3FN, True, False)
-    assert choose_fp8_activations(info, 1) is False
-    assert choose_fp8_activations(info, 512) is True
     assert choose_mxfp4_path(info) == "dequant"
     assert calls == [("capability", 0), ("name", 0)]
 
@@ -455,28 +362,25 @@ def test_report_h200():
     assert "platform: cuda, sm_90, NVIDIA H200" in text
     assert "FP8 dtype: float8_e4m3fn" in text
     assert "native FP8 dots: yes" in text and "native FP4 (MX) dots: no" in text
-    assert "FP8 weights, B=1: bf16 activations" in text
-    assert "FP8 weights, B=512: FP8 activations" in text
+    assert "FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers" in text
     assert "MXFP4 weights: dequant" in text
-    assert "FUSEMLA_FP8_ACTIVATIONS: not set -> auto" in text
     assert "FUSEMLA_MXFP4_PATH: not set -> auto" in text
 
 
 def test_report_mi300_with_overrides(monkeypatch):
-    monkeypatch.setenv("FUSEMLA_FP8_ACTIVATIONS", "on")
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "dequant")
     text = _report(platform_from("rocm", "gfx942", "AMD Instinct MI300X"))
     assert "float8_e4m3fnuz" in text
-    assert "FP8 weights, B=1: FP8 activations" in text
-    assert "FUSEMLA_FP8_ACTIVATIONS: 'on' -> on" in text
+    assert "FP8 weights: upcast to the activations' dtype" in text
     assert "FUSEMLA_MXFP4_PATH: 'dequant' -> dequant" in text
 
 
 def test_report_never_raises_on_bad_env(monkeypatch):
-    monkeypatch.setenv("FUSEMLA_FP8_ACTIVATIONS", "sometimes")
+    monkeypatch.setenv("FUSEMLA_PDL", "sometimes")
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "dot_scaled")
     text = _report(H200())
-    assert "FUSEMLA_FP8_ACTIVATIONS: INVALID" in text and "'sometimes'" in text
+    assert "FUSEMLA_PDL: INVALID" in text and "'sometimes'" in text
+    assert "programmatic dependent launch: error:" in text
     assert "MXFP4 weights: error:" in text and "no hardware FP4" in text
 
 
@@ -515,19 +419,19 @@ def test_import_does_not_import_triton():
 
 
 # --------------------------------------------------------------------------------------------
-# choose_prologue_variant: the one decision the launcher, the reference and `info` share
+# choose_prologue_variant: the one decision the launcher and `info` share
 # --------------------------------------------------------------------------------------------
 
 
-def test_prologue_variant_plain_and_fp8(monkeypatch):
-    monkeypatch.delenv("FUSEMLA_FP8_ACTIVATIONS", raising=False)
+def test_prologue_variant_plain_and_fp8():
     v = choose_prologue_variant(H200(), weight_format="plain", num_tokens=64)
-    assert (v.weight_format, v.fp8_activations, v.mxfp4_path) == ("plain", False, None)
-    assert v.kernel_flags == (0, False, False)
-    v = choose_prologue_variant(H200(), weight_format="fp8", num_tokens=512)
-    assert v.kernel_flags == (1, choose_fp8_activations(H200(), 512), False)
-    v = choose_prologue_variant(H200(), weight_format="fp8", num_tokens=1, fp8_activations=True)
-    assert v.kernel_flags == (1, True, False)  # the caller's explicit choice wins
+    assert (v.weight_format, v.mxfp4_path) == ("plain", None)
+    assert v.kernel_flags == (0, False)
+    # FP8 weights have one variant (upcast in registers), whatever the chip or the batch
+    for info in (H200(), platform_from("cuda", "sm_80"), platform_from("rocm", "gfx942")):
+        for n in (1, 512):
+            v = choose_prologue_variant(info, weight_format="fp8", num_tokens=n)
+            assert (v.weight_format, v.mxfp4_path, v.kernel_flags) == ("fp8", None, (1, False))
     with pytest.raises(FuseMLAValueError, match="weight_format"):
         choose_prologue_variant(H200(), weight_format="int4", num_tokens=1)
 
@@ -544,7 +448,7 @@ def test_prologue_variant_mxfp4(monkeypatch):
     monkeypatch.delenv("FUSEMLA_MXFP4_PATH", raising=False)
     dims = dict(P=128, L=512, block_l=128)
     assert choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1,
-                                   **dims).kernel_flags == (2, False, True)
+                                   **dims).kernel_flags == (2, True)
     assert choose_prologue_variant(H200(), weight_format="mxfp4", num_tokens=1,
                                    **dims).mxfp4_path == "dequant"
     # auto on a native-FP4 chip with tiles tl.dot_scaled cannot take: dequant, by design
@@ -565,6 +469,24 @@ def test_report_shows_the_layer_flags(monkeypatch):
     text = "\n".join(report_lines(H200()))
     assert "FUSEMLA_FUSED_PREFILL: 'off' -> False" in text
     assert "FUSEMLA_FUSED_DECODE: INVALID" in text  # reported, never raised
+
+
+@pytest.mark.parametrize("value, mode", [
+    *[(v, "on") for v in ("on", "1", "true", "TRUE", " On ", "yes")],
+    *[(v, "off") for v in ("off", "0", "false", "OFF", "no")],
+    *[(v, "auto") for v in ("auto", "AUTO", "", "  ")],
+])
+def test_pdl_mode_spellings(monkeypatch, value, mode):
+    monkeypatch.setenv("FUSEMLA_PDL", value)
+    assert config.pdl_mode() == mode
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable"])
+def test_pdl_mode_invalid(monkeypatch, value):
+    monkeypatch.setenv("FUSEMLA_PDL", value)
+    with pytest.raises(FuseMLAValueError, match="FUSEMLA_PDL") as err:
+        config.pdl_mode()
+    assert repr(value) in str(err.value)
 
 
 def test_pdl_choice(monkeypatch):

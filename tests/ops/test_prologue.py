@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusemla import config
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.ops.prologue import configs, launch
 from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
@@ -360,19 +361,26 @@ def test_forced_dot_scaled_that_cannot_run_raises(device, monkeypatch):
     assert v.mxfp4_path == "dequant"
 
 
-@pytest.mark.parametrize("cfg", [dict(BLOCK_T=16, max_tiles_per_chunk=1),
-                                 dict(BLOCK_L=16, BLOCK_LC=16, ROPE_ROWS=16)],
-                         ids=["one-tile-chunks", "narrow-tiles"])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_T=16, programs_per_sm=0.02),
+                                 dict(BLOCK_T=16, programs_per_sm=0, CACHE_ROWS=1),
+                                 dict(BLOCK_L=16, BLOCK_LC=16, ROPE_ROWS=16, CACHE_ROWS=4)],
+                         ids=["persistent", "program-per-item", "narrow-tiles"])
 def test_forced_tiling(device, cfg):
-    """Several token chunks / several L-tiles and cache-loop passes, on CPU and GPU alike."""
+    """Persistent BMM programs walking several work items, one program per item, several
+    L-tiles, cache-loop passes and a cache tile with a tail, on CPU and GPU alike."""
     inp = make_inputs(50, **_dims(device, 3), num_decode_tokens=45, kv_dtype=FP8,
                       device=device, generator=_gen("tiling", sorted(cfg.items())),
                       pad_fraction=0.1)
+    L = inp.kv_c.shape[1]
     with configs.override(**cfg):
-        if "max_tiles_per_chunk" in cfg:
-            c = configs.launch_config(3, inp.q_nope.shape[2], inp.q_pe.shape[2],
-                                      inp.kv_c.shape[1], launch.backend_of(inp.q_nope.device))
-            assert configs.split_tokens(45, 3, c, 132)[1] >= 3  # >= 3 chunks
+        c = configs.launch_config(3, inp.q_nope.shape[2], inp.q_pe.shape[2], L,
+                                  launch.backend_of(inp.q_nope.device))
+        num_sms = 1 if config.interpreting() else launch._num_sms(inp.q_nope.device.index or 0)
+        items, n_bmm = configs.bmm_items(45, 3, L, c), configs.bmm_programs(45, 3, L, c, num_sms)
+        if cfg.get("programs_per_sm"):
+            assert 1 <= n_bmm < items  # programs loop over several items
+        elif cfg.get("programs_per_sm") == 0:
+            assert n_bmm == items
         run_and_compare(mla_prologue, inp).assert_ok()
 
 

@@ -15,10 +15,11 @@ random data from a seed hypothesis draws, poisons the cache and every given outp
 - given output buffers are the ones returned.
 
 ``configs.override`` forces the real tiling on small dims: several L-tiles, several passes of
-the cache row loop, several token chunks (``max_tiles_per_chunk`` 1 with up to 70 decode
-tokens), several RoPE row tiles. The deterministic tests at the end pin the tiling cases that
-a kernel bug in tile offsets would break (they failed with the L-tile offset dropped and with
-every token chunk starting at token 0).
+the cache row loop, persistent BMM programs walking several (head, L-tile, token-tile) items
+(``programs_per_sm`` 1-5 with up to 70 decode tokens) or one program per item, several RoPE
+row tiles, cache tiles of 1-4 tokens. The deterministic tests at the end pin the tiling cases
+that a kernel bug in tile offsets would break (the L-tile offset dropped, every token tile
+starting at token 0, a persistent program stepping by the wrong stride).
 
 Budget (``deadline=None``, ``derandomize=True``, 210 drawn + 5 explicit examples): about
 70 s of CPU time; 2.5 minutes wall-clock on a 2-core machine busy with other work.
@@ -334,7 +335,8 @@ def check_case(case: Case, device: str) -> None:
     if device == "cpu" and currently_in_test_context():  # --hypothesis-show-statistics
         t = _tiles(case)
         D = case.N if case.D is None else case.D
-        event(f"token chunks: {min(t['n_chunks'], 3) if D else 0}{'+' * (t['n_chunks'] >= 3)}")
+        per = t["items"] // max(t["programs"], 1)
+        event(f"BMM items per program: {min(per, 3) if D else 0}{'+' * (per >= 3)}")
         event(f"L-tiles {min(t['l_tiles'], 3)}, cache-loop passes {min(t['lc_passes'], 3)}")
         event(
             "split: "
@@ -384,7 +386,8 @@ SEEDS = st.integers(0, 2**31 - 1)
 @st.composite
 def tiling(draw, force: bool = False) -> tuple:
     """A launch-config override with valid power-of-two sizes (empty: the interpreter's own
-    small config: two L-tiles, two cache-loop passes, BLOCK_T 16, two tiles per chunk)."""
+    small config: two L-tiles, two cache-loop passes, BLOCK_T 16, three persistent BMM
+    programs, two tokens per cache program)."""
     if not force and draw(st.sampled_from([True, False, False])):
         return ()
     cfg = {
@@ -392,8 +395,8 @@ def tiling(draw, force: bool = False) -> tuple:
         "BLOCK_LC": draw(st.sampled_from([16, 32, 64])),
         "BLOCK_T": draw(st.sampled_from([16, 16, 32])),
         "ROPE_ROWS": draw(st.sampled_from([16, 32])),
-        "max_tiles_per_chunk": draw(st.sampled_from([1, 1, 2, 3, None])),
-        "programs_per_sm": draw(st.sampled_from([0.0, 0.0, 8.0, 64.0])),
+        "programs_per_sm": draw(st.sampled_from([0.0, 0.0, 1.0, 2.0, 5.0])),
+        "CACHE_ROWS": draw(st.sampled_from([1, 2, 4])),
     }
     return tuple(sorted(cfg.items()))
 
@@ -401,7 +404,7 @@ def tiling(draw, force: bool = False) -> tuple:
 @st.composite
 def token_count(draw, N_max: int) -> int:
     """Spread over edges (empty, one token, around a 16-token tile), small and large batches
-    (> 32 tokens: three or more token chunks with one tile per chunk)."""
+    (> 32 tokens: three or more 16-token tiles)."""
     mode = draw(st.sampled_from(["edge", "small", "large", "large"]))
     if mode == "edge":
         return draw(st.sampled_from([0, 1, 2, 15, 16, 17]))
@@ -517,7 +520,7 @@ def cases(
         w_layout="permuted",
         cache_layout="blocks2",
         outputs="strided",
-        cfg=(("BLOCK_L", 16), ("BLOCK_LC", 16), ("max_tiles_per_chunk", 1)),
+        cfg=(("BLOCK_L", 16), ("BLOCK_LC", 16), ("CACHE_ROWS", 4), ("programs_per_sm", 2.0)),
     )
 )
 @example(
@@ -536,7 +539,7 @@ def cases(
         is_neox=True,
         q_layout="headpad",
         outputs="inplace",
-        cfg=(("ROPE_ROWS", 16), ("max_tiles_per_chunk", 1)),
+        cfg=(("ROPE_ROWS", 16), ("programs_per_sm", 0.0)),
     )
 )
 def test_everything_varies(device, case):
@@ -559,8 +562,9 @@ def test_everything_varies(device, case):
             ("BLOCK_L", 16),
             ("BLOCK_LC", 16),
             ("BLOCK_T", 16),
-            ("max_tiles_per_chunk", 1),
+            ("programs_per_sm", 5.0),
             ("ROPE_ROWS", 16),
+            ("CACHE_ROWS", 4),
         ),
     )
 )
@@ -573,12 +577,13 @@ def test_everything_varies(device, case):
         P=48,
         R=8,
         L=48,
-        cfg=(("BLOCK_L", 32), ("BLOCK_LC", 32), ("programs_per_sm", 64.0)),
+        cfg=(("BLOCK_L", 32), ("BLOCK_LC", 32), ("programs_per_sm", 64.0), ("CACHE_ROWS", 2)),
     )
 )
 def test_tiling_overrides(device, case):
-    """Launch-config overrides (several L-tiles, cache-loop passes, token chunks, RoPE tiles,
-    chunks from SM fill) on plain layouts: the tile arithmetic in isolation."""
+    """Launch-config overrides (several L-tiles, cache-loop passes, token tiles, RoPE tiles,
+    persistent or per-item BMM programs, cache tiles) on plain layouts: the tile arithmetic
+    in isolation."""
     check_case(case, device)
 
 
@@ -621,7 +626,7 @@ def test_layouts_and_output_buffers(device, case):
 
 
 def _tiles(case: Case) -> dict:
-    """What the launcher will do for ``case``: (tokens_per_chunk, n_chunks), L-tiles, passes."""
+    """What the launcher will do for ``case``: BMM work items and programs, L-tiles, passes."""
     D = case.N if case.D is None else case.D
     base = dict(
         configs._base_config(
@@ -629,20 +634,19 @@ def _tiles(case: Case) -> dict:
         )
     )
     cfg = dict(base, **dict(case.cfg))
-    n_l = -(-case.L // cfg["BLOCK_L"])
-    tpc, n_chunks = configs.split_tokens(D, case.H * n_l, cfg, 1)
     return {
-        "n_chunks": n_chunks,
-        "tokens_per_chunk": tpc,
-        "l_tiles": n_l,
+        "items": configs.bmm_items(D, case.H, case.L, cfg),
+        "programs": configs.bmm_programs(D, case.H, case.L, cfg, 1),
+        "l_tiles": -(-case.L // cfg["BLOCK_L"]),
         "lc_passes": -(-case.L // cfg["BLOCK_LC"]),
         "rope_tiles": -(-(D * case.H) // cfg["ROPE_ROWS"]),
     }
 
 
-def test_token_chunks_each_start_at_their_own_tokens(device):
-    """50 decode tokens in 16-token tiles, one tile per chunk: 4 chunks (the last partial).
-    A kernel that started every chunk at token 0 leaves tokens 16..49 unwritten (NaN)."""
+def test_persistent_programs_walk_their_own_items(device):
+    """50 decode tokens in 16-token tiles (the last partial), 2 heads x 2 L-tiles: 16 items
+    for 3 persistent programs. A kernel that started every item at token 0, or stepped by
+    the wrong stride, leaves tokens or heads unwritten (NaN)."""
     case = Case(
         seed=stable_seed("chunks"),
         N=50,
@@ -652,16 +656,17 @@ def test_token_chunks_each_start_at_their_own_tokens(device):
         R=16,
         L=64,
         outputs="given",
-        cfg=(("BLOCK_T", 16), ("max_tiles_per_chunk", 1)),
+        cfg=(("BLOCK_T", 16), ("BLOCK_L", 32), ("programs_per_sm", 3.0)),
     )
     if device == "cpu":
         t = _tiles(case)
-        assert t["n_chunks"] == 4 and t["tokens_per_chunk"] == 16, t
+        assert t["items"] == 16 and t["programs"] == 3, t
     check_case(case, device)
 
 
-def test_token_chunks_with_prefill_tail(device):
-    """3 chunks of 2 tiles over 70 decode tokens, then prefill tokens behind them."""
+def test_program_per_item_with_prefill_tail(device):
+    """One BMM program per item over 65 decode tokens (5 token tiles), then prefill tokens
+    behind them and a cache tile straddling the end of the batch."""
     case = Case(
         seed=stable_seed("chunks-mixed"),
         N=70,
@@ -670,10 +675,11 @@ def test_token_chunks_with_prefill_tail(device):
         P=16,
         R=8,
         L=48,
-        cfg=(("BLOCK_T", 16), ("max_tiles_per_chunk", 2)),
+        cfg=(("BLOCK_T", 16), ("programs_per_sm", 0.0), ("CACHE_ROWS", 4)),
     )
     if device == "cpu":
-        assert _tiles(case)["n_chunks"] == 3
+        t = _tiles(case)
+        assert t["programs"] == t["items"] == 3 * t["l_tiles"] * 5, t
     check_case(case, device)
 
 
@@ -700,7 +706,8 @@ def test_l_tiles_cover_the_whole_latent(device, L, block_l):
 
 def test_default_interpreter_config_tiles(device):
     """The interpreter's own config (no override) already runs 2 L-tiles, 2 cache-loop
-    passes and several chunks and RoPE tiles at the small dims."""
+    passes, persistent programs over several items and several RoPE tiles at the small
+    dims."""
     case = Case(
         seed=stable_seed("default-config"),
         N=40,
@@ -715,8 +722,8 @@ def test_default_interpreter_config_tiles(device):
     if device == "cpu":
         t = _tiles(case)
         assert t == {
-            "n_chunks": 2,
-            "tokens_per_chunk": 32,
+            "items": 24,
+            "programs": 3,
             "l_tiles": 2,
             "lc_passes": 2,
             "rope_tiles": 9,

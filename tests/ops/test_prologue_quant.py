@@ -47,16 +47,14 @@ def _quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 
 @pytest.mark.parametrize("B,D", [(1, 1), (3, 3), (40, 40), (40, 23)], ids=lambda x: str(x))
-@pytest.mark.parametrize("act", ["bf16-act", "fp8-act"])
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fp8_weights(device, dtype, fmt, act, B, D):
+def test_fp8_weights(device, dtype, fmt, B, D):
     inp = make_inputs(B, **_dims(device, 4), dtype=dtype, kv_dtype=FP8 if B == 3 else None,
                       pad_fraction=0.25 if B > 1 else 0.0, device=device, num_decode_tokens=D,
-                      generator=_gen(dtype, fmt, act, B, D))
+                      generator=_gen(dtype, fmt, B, D))
     qw = _quantize(inp.w_uk_t, fmt)
-    run_and_compare(mla_prologue, inp, w_uk_t=qw,
-                    fp8_activations=(act == "fp8-act")).assert_ok()
+    run_and_compare(mla_prologue, inp, w_uk_t=qw).assert_ok()
 
 
 @pytest.mark.parametrize("path", ["dequant", "dot_scaled"])
@@ -82,7 +80,7 @@ def test_fp8_query_output(device, weights, scale_kind):
     w = inp.w_uk_t if weights == "bf16" else _quantize(inp.w_uk_t, weights)
     q_scale = 2.5 / 448  # |q| reaches ~4-5: the largest values saturate
     scale_arg = (torch.tensor([q_scale], device=device) if scale_kind == "tensor" else q_scale)
-    kw = dict(fp8_activations=False, q_out_dtype=FP8, q_scale=scale_arg)
+    kw = dict(q_out_dtype=FP8, q_scale=scale_arg)
     run_and_compare(mla_prologue, inp, w_uk_t=w, **kw).assert_ok()
     args = list(inp.args())
     args[4] = w
@@ -107,9 +105,6 @@ def test_quantized_weight_errors(device):
     args[4] = other
     with pytest.raises(FuseMLAValueError, match=r"w_uk_t.*shape"):
         mla_decode_prologue(*args)
-    args[4] = _quantize(inp.w_uk_t, "mxfp4")
-    with pytest.raises(FuseMLAValueError, match=r"fp8_activations"):
-        mla_decode_prologue(*args, fp8_activations=True)
     args[4] = qw
     with pytest.raises(FuseMLAValueError, match=r"q_scale.*None"):
         mla_decode_prologue(*args, q_out_dtype=FP8)
@@ -125,11 +120,10 @@ def test_quantized_weight_and_fp8_query_under_torch_compile(device):
     cache_eager = inp.kv_cache.clone()
     eager_args = list(args)
     eager_args[8] = cache_eager
-    q_eager = mla_decode_prologue(*eager_args, q_out_dtype=FP8, q_scale=q_scale,
-                                  fp8_activations=False)
+    q_eager = mla_decode_prologue(*eager_args, q_out_dtype=FP8, q_scale=q_scale)
 
     def fn(*a):
-        return mla_decode_prologue(*a, q_out_dtype=FP8, q_scale=q_scale, fp8_activations=False)
+        return mla_decode_prologue(*a, q_out_dtype=FP8, q_scale=q_scale)
 
     backend = "inductor" if device == "cuda" else "aot_eager"
     q = torch.compile(fn, fullgraph=True, backend=backend)(*args)

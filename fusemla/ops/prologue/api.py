@@ -34,7 +34,6 @@ def mla_prologue(
     k_pe_out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: bool | None = None,
 ) -> PrologueOutput:
     """Fused MLA prologue for a decode-first batch, in one kernel launch.
 
@@ -47,8 +46,7 @@ def mla_prologue(
     - ``kv_c [N, L]``: the normalized latent; ``k_pe [N, R]`` or ``[N, 1, R]``.
     - ``w_uk_t [H, P, L]``: the absorbed key up-projection, in the activations' dtype, or a
       :class:`fusemla.quant.QuantizedWeight` (FP8 per-tensor/per-head, or MXFP4). FP8 weights
-      run with bf16/fp16 activations, or with activations quantized to FP8 per (token, head)
-      when ``fp8_activations`` is True (None: :func:`fusemla.platform.choose_prologue_variant`).
+      are upcast to the activations' dtype in registers.
     - ``positions [N]`` (int32/int64); ``cos_cache``, ``sin_cache [max_position, R/2]``
       (fp32/bf16/fp16; :func:`fusemla.rope.split_cos_sin_cache` splits an engine's cache).
     - ``kv_cache [num_blocks, block_size, L + R]``: bf16/fp16, or float8_e4m3fn/e4m3fnuz with
@@ -80,8 +78,7 @@ def mla_prologue(
     args = prepare(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
                    slot_mapping, num_decode_tokens=num_decode_tokens, is_neox=is_neox,
                    rope_applied=rope_applied, kv_scale=kv_scale, out=out, q_pe_out=q_pe_out,
-                   k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale,
-                   fp8_activations=fp8_activations)
+                   k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale)
     if torch.compiler.is_compiling():
         from fusemla.ops.custom_ops import call_mla_prologue
 
@@ -109,10 +106,8 @@ def mla_decode_prologue(
     out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """:func:`mla_prologue` for an all-decode batch; returns ``q [N, H, L + R]``."""
     return mla_prologue(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
                         kv_cache, slot_mapping, is_neox=is_neox, rope_applied=rope_applied,
-                        kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale,
-                        fp8_activations=fp8_activations).q
+                        kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale).q

@@ -63,7 +63,6 @@ class PrologueArgs:
     apply_rope: bool  # False: the caller already rotated q_pe and k_pe (rope_applied=True)
     kv_scale: Scale
     q_scale: Scale
-    fp8_activations: bool | None  # FP8 weights only: None = chosen by the platform
     q: torch.Tensor  # [D, H, L + R] output
     q_pe_out: torch.Tensor  # [N - D, H, R] output
     k_pe_out: torch.Tensor  # [N - D, R] output
@@ -147,7 +146,7 @@ def check_scale(name: str, scale: object, needed_by: str | None) -> Scale:
     return scale32
 
 
-def split_scale(scale: Scale) -> tuple[Optional[torch.Tensor], float]:
+def split_scale(scale: Scale) -> tuple[torch.Tensor | None, float]:
     """(tensor or None, value) for a checked float/tensor/None scale: a tensor is read on the
     device, a float (or None: 1.0) is passed by value."""
     if isinstance(scale, torch.Tensor):
@@ -223,7 +222,6 @@ def prepare(
     k_pe_out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
-    fp8_activations: bool | None = None,
 ) -> PrologueArgs:
     """Check every argument of :func:`fusemla.mla_prologue` and allocate the outputs not given.
 
@@ -307,11 +305,6 @@ def prepare(
                            f"an FP8 kv_cache ({kv_cache.dtype})" if kv_fp8 else None)
     q_fp8 = q_dtype in FP8_DTYPES
     q_scale = check_scale("q_scale", q_scale, f"q_out_dtype={q_dtype}" if q_fp8 else None)
-    if fp8_activations and getattr(w_uk_t, "format", None) != "fp8":
-        raise FuseMLAValueError(
-            "fp8_activations: only FP8 weights (a QuantizedWeight of format 'fp8') can run with "
-            f"FP8 activations, got w_uk_t {describe(w_uk_t)}"
-        )
 
     w_parts = ([("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)]
                if not isinstance(w_uk_t, torch.Tensor) else [("w_uk_t", w_uk_t)])
@@ -335,7 +328,7 @@ def prepare(
         q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, w_uk_t=w_uk_t, positions=positions,
         cos_cache=cos_cache, sin_cache=sin_cache, kv_cache=kv_cache, slot_mapping=slot_mapping,
         num_decode_tokens=D, is_neox=bool(is_neox), apply_rope=not rope_applied,
-        kv_scale=kv_scale, q_scale=q_scale, fp8_activations=fp8_activations,
+        kv_scale=kv_scale, q_scale=q_scale,
         q=q, q_pe_out=q_pe_out, k_pe_out=k_pe_out,
     )
 

@@ -1,20 +1,23 @@
-"""Launch configurations of the prologue kernel: tile sizes per backend, token chunking.
+"""Launch configurations of the prologue kernel: tile sizes per backend, BMM program count.
 
 One function per decision: :func:`launch_config` gives the tiles for a model shape on a backend
 (keyed on the model dims and one batch bucket, never on the token count, so a serving loop
-compiles at most two variants); :func:`split_tokens` cuts the decode tokens into chunks.
+compiles at most two variants); :func:`bmm_programs` says how many BMM programs share the
+(head, L-tile, token-tile) work items.
 
 Under the Triton interpreter the config is deliberately *small*: two L-tiles per head, two
-passes of the cache row loop, 16-token BMM tiles and at most two tiles per chunk, so CPU tests
-run the same tile arithmetic (L-tile offsets, token chunks, loops of several iterations) the
-GPU runs. :func:`override` replaces any key for a block of code (tests force chunking on the
-GPU with it).
+passes of the cache row loop, 16-token BMM tiles, two tokens per cache program and three
+persistent BMM programs, so CPU tests run the same tile arithmetic (L-tile offsets, token
+tiles, the persistent loop's stride, loops of several iterations) the GPU runs.
+:func:`override` replaces any key for a block of code (tests force persistence on the GPU
+with it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,39 +26,38 @@ import triton
 #: decode batches up to this size use the small-batch tile config (one extra compiled variant)
 SMALL_BATCH = 8
 
-_KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "num_warps",
-         "num_stages", "programs_per_sm", "max_tiles_per_chunk")
+_KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
+         "num_warps", "num_stages", "programs_per_sm")
 _overrides: dict[str, Any] = {}
 
 
 @functools.cache
 def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool) -> dict:
     common = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
-                  BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64, BLOCK_T=16,
-                  max_tiles_per_chunk=None)
+                  BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64, CACHE_ROWS=1,
+                  BLOCK_T=16)
     lmax = triton.next_power_of_2(L)
     if backend == "interpreter":
         half = max(16, lmax // 2)
-        return dict(common, BLOCK_L=half, BLOCK_LC=half, ROPE_ROWS=16, num_warps=1,
-                    num_stages=1, programs_per_sm=0.0, max_tiles_per_chunk=2)
+        return dict(common, BLOCK_L=half, BLOCK_LC=half, ROPE_ROWS=16, CACHE_ROWS=2,
+                    num_warps=1, num_stages=1, programs_per_sm=3.0)
     if small:
         return dict(common, BLOCK_L=min(128 if H <= 32 else 256, lmax), num_warps=8,
-                    num_stages=2, programs_per_sm=1.0)
+                    num_stages=2, programs_per_sm=0.0)
     if H <= 32:
-        return dict(common, BLOCK_L=min(128, lmax), BLOCK_T=64, num_warps=8, num_stages=3,
-                    programs_per_sm=1.0)
-    return dict(common, BLOCK_L=min(256, lmax), BLOCK_T=64, num_warps=8, num_stages=2,
-                programs_per_sm=1.0)
+        return dict(common, BLOCK_L=min(128, lmax), BLOCK_T=64, CACHE_ROWS=4, num_warps=8,
+                    num_stages=3, programs_per_sm=1.0)
+    return dict(common, BLOCK_L=min(256, lmax), BLOCK_T=64, CACHE_ROWS=4, num_warps=8,
+                num_stages=2, programs_per_sm=1.0)
 
 
 def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = False) -> dict:
     """Tile sizes for one model shape on one backend ("cuda", "rocm" or "interpreter").
 
-    ``small``: decode batch <= :data:`SMALL_BATCH`. ``programs_per_sm`` sets how finely large
-    batches are split into token chunks (each chunk re-reads its weight slice once);
-    ``max_tiles_per_chunk`` (None: no limit) caps a chunk's BLOCK_T tiles. The CUDA values
-    are the best of a sweep on an H200 (``benchmarks/bench_prologue.py --sweep``); ROCm uses
-    them until measured there.
+    ``small``: decode batch <= :data:`SMALL_BATCH`. ``programs_per_sm``: BMM programs per
+    multiprocessor when the work items outnumber them (persistent programs); 0 = one program
+    per item. The CUDA values are the best of a sweep on an H200
+    (``benchmarks/bench_prologue.py --sweep``); ROCm uses them until measured there.
     """
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
@@ -66,7 +68,7 @@ def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = Fa
 
 @contextlib.contextmanager
 def override(**keys: Any) -> Iterator[None]:
-    """Replace config keys (e.g. ``BLOCK_L=32, max_tiles_per_chunk=1``) inside a ``with`` block."""
+    """Replace config keys (e.g. ``BLOCK_L=32, programs_per_sm=0``) inside a ``with`` block."""
     unknown = set(keys) - set(_KEYS)
     if unknown:
         raise ValueError(f"override: unknown config keys {sorted(unknown)}; known: {_KEYS}")
@@ -79,18 +81,16 @@ def override(**keys: Any) -> Iterator[None]:
         _overrides.update(saved)
 
 
-def split_tokens(D: int, n_hl: int, cfg: dict, num_sms: int) -> tuple[int, int]:
-    """(tokens_per_chunk, n_chunks) for ``D`` decode tokens over ``n_hl`` (head, L-tile) pairs.
+def bmm_items(D: int, H: int, L: int, cfg: dict) -> int:
+    """The (head, L-tile, token-tile) work items of ``D`` decode tokens."""
+    return H * triton.cdiv(L, cfg["BLOCK_L"]) * triton.cdiv(D, cfg["BLOCK_T"]) if D > 0 else 0
 
-    One chunk unless the (head, L-tile) grid underfills the GPU (``programs_per_sm``) or a
-    chunk would hold more than ``max_tiles_per_chunk`` BLOCK_T tiles. Chunks hold whole tiles.
-    """
-    block_t = cfg["BLOCK_T"]
-    n_tiles = triton.cdiv(max(D, 1), block_t)
-    want = int(cfg["programs_per_sm"] * num_sms) // max(n_hl, 1)
-    n_chunks = max(1, min(n_tiles, want))
-    if cfg.get("max_tiles_per_chunk"):
-        n_chunks = max(n_chunks, triton.cdiv(n_tiles, cfg["max_tiles_per_chunk"]))
-    tiles_per_chunk = triton.cdiv(n_tiles, n_chunks)
-    tokens_per_chunk = tiles_per_chunk * block_t
-    return tokens_per_chunk, triton.cdiv(max(D, 1), tokens_per_chunk)
+
+def bmm_programs(D: int, H: int, L: int, cfg: dict, num_sms: int) -> int:
+    """How many BMM programs run the work items: all of them (``programs_per_sm`` 0) or
+    ``ceil(programs_per_sm * num_sms)`` persistent ones, never more than there are items."""
+    items = bmm_items(D, H, L, cfg)
+    pps = cfg["programs_per_sm"]
+    if pps <= 0:
+        return items
+    return min(items, max(1, math.ceil(pps * num_sms)))

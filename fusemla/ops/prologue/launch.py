@@ -43,7 +43,7 @@ def variant_for(args: PrologueArgs, cfg: dict,
     :func:`fusemla.platform.choose_prologue_variant`)."""
     return platform.choose_prologue_variant(
         info or platform.detect(args.q_nope.device), weight_format=weight_format(args.w_uk_t),
-        num_tokens=args.D, fp8_activations=args.fp8_activations, P=args.P, L=args.L,
+        num_tokens=args.D, P=args.P, L=args.L,
         block_l=cfg["BLOCK_L"])
 
 
@@ -70,14 +70,14 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     _check_formats(args, backend)
     if cfg is None:
         cfg = configs.launch_config(H, P, R, L, backend, D <= configs.SMALL_BATCH)
-    n_hl = H * triton.cdiv(L, cfg["BLOCK_L"])
     num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
-    tokens_per_chunk, n_chunks = configs.split_tokens(D, n_hl, cfg, num_sms)
-    n_bmm = n_hl * n_chunks if D > 0 else 0
+    n_bmm = configs.bmm_programs(D, H, L, cfg, num_sms)
     n_rope_d = triton.cdiv(D * H, cfg["ROPE_ROWS"])
     n_rope_p = triton.cdiv((N - D) * H, cfg["ROPE_ROWS"])
+    n_cache = triton.cdiv(N, cfg["CACHE_ROWS"])
 
-    w_fmt, act_fp8, mx_native = variant_for(args, cfg, info).kernel_flags
+    flags = variant_for(args, cfg, info).kernel_flags
+    w_fmt, mx_native = flags[0], flags[-1]
     w = args.w_uk_t
     if w_fmt == 0:
         w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
@@ -92,7 +92,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     launch_opts = {"launch_pdl": True} if pdl else {}
     qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
-    grid = (n_bmm + n_rope_d + n_rope_p + N,)
+    grid = (n_bmm + n_rope_d + n_rope_p + n_cache,)
     mla_prologue_kernel[grid](
         p_qn=qn, s_qn_t=qn.stride(0), s_qn_h=qn.stride(1),
         p_qp=qp, s_qp_t=qp.stride(0), s_qp_h=qp.stride(1),
@@ -111,15 +111,15 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         p_kpo=kpo, s_kpo_t=kpo.stride(0),
         p_cache=cache, s_cache_b=cache.stride(0), s_cache_s=cache.stride(1),
         N=N, D=D, n_bmm=n_bmm, n_rope_d=n_rope_d, n_rope_p=n_rope_p,
-        tokens_per_chunk=tokens_per_chunk, n_chunks=n_chunks,
         max_pos=args.cos_cache.shape[0], num_slots=cache.shape[0] * cache.shape[1],
         block_size=cache.shape[1],
         H=H, P=P, R=R, L=L,
         BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
         BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"], ROPE_ROWS=cfg["ROPE_ROWS"],
+        CACHE_ROWS=cfg["CACHE_ROWS"],
         IS_NEOX=args.is_neox, APPLY_ROPE=args.apply_rope,
         KV_FP8=fp8_code(cache.dtype), Q_FP8=fp8_code(q.dtype),
-        W_FMT=w_fmt, W_CODE=fp8_code(w_data.dtype), MX_NATIVE=mx_native, ACT_FP8=act_fp8,
+        W_FMT=w_fmt, MX_NATIVE=mx_native,
         A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
         DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_opts,

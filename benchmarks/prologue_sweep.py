@@ -1,0 +1,73 @@
+"""The fused kernel's tile-config sweep of bench_prologue.py (``--sweep``).
+
+:func:`sweep_space` is the grid, a placeholder to edit: a list of override dicts applied on top
+of :func:`fusemla.ops.prologue.configs.launch_config` for the shape. Every config is checked
+against the reference (q and every cache byte, after NaN-poisoning) on the captured graph before
+it is timed; a wrong one goes to ``failures`` (a kernel bug), one whose launch raises (out of
+shared memory, registers...) to ``sweep_skipped``. :func:`best_configs_literal` prints the winners
+as a Python dict literal to paste into ``configs.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+#: the config keys of the kernel (``fusemla.ops.prologue.configs``)
+CONFIG_KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
+               "num_warps", "num_stages", "programs_per_sm")
+
+
+def sweep_space(H: int, B: int, w_format: str) -> list[dict]:
+    """Override dicts to time for ``H`` heads, ``B`` decode tokens, weight format ``w_format``
+    ("bf16", "fp8" or "mxfp4"). PLACEHOLDER grid (648 configs; edit before a GPU run):
+    BLOCK_L x BLOCK_T x num_warps x num_stages x programs_per_sm x ROPE_ROWS x CACHE_ROWS."""
+    del H, B, w_format  # the placeholder is the same for every shape
+    grid = itertools.product((64, 128, 256), (16, 32, 64), (4, 8), (2, 3, 4), (0, 1, 2),
+                             (64, 256), (1, 4))
+    return [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps,
+                 ROPE_ROWS=rr, CACHE_ROWS=cr)
+            for bl, bt, nw, ns, pps, rr, cr in grid]
+
+
+def smoke_subset(space: list[dict], dims: dict, n: int = 3) -> list[dict]:
+    """``n`` configs spread over ``space`` with tiles clamped to tiny interpreter dims (the
+    ``--smoke`` run exercises the sweep's code path, not the grid)."""
+    if not space:
+        return []
+    picks = [space[round(i * (len(space) - 1) / max(n - 1, 1))] for i in range(n)]
+    out = []
+    for o in picks:
+        o = dict(o)
+        half = max(16, dims["L"] // 2)
+        if "BLOCK_L" in o:
+            o["BLOCK_L"] = min(o["BLOCK_L"], half)
+        if "BLOCK_T" in o:
+            o["BLOCK_T"] = 16
+        if "ROPE_ROWS" in o:
+            o["ROPE_ROWS"] = min(o["ROPE_ROWS"], 16)
+        if "num_warps" in o:
+            o["num_warps"] = 1
+        if "num_stages" in o:
+            o["num_stages"] = 1
+        if o not in out:
+            out.append(o)
+    return out
+
+
+def best_configs(sweep_rows: list[dict]) -> dict:
+    """{(H, B, w_dtype): the fastest correct row's full config}."""
+    best: dict = {}
+    for r in sweep_rows:
+        key = (r["H"], r["B"], r["w_dtype"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return {k: dict(v["config"], us=v["us"]) for k, v in sorted(best.items())}
+
+
+def best_configs_literal(sweep_rows: list[dict]) -> str:
+    """The best config per (H, B, w_format) as a Python dict literal (``us`` included)."""
+    lines = ["BEST_CONFIGS = {  # (H, B, w_format): config (fastest correct one; us = its time)"]
+    for key, cfg in best_configs(sweep_rows).items():
+        lines.append(f"    {key!r}: {cfg!r},")
+    lines.append("}")
+    return "\n".join(lines)
