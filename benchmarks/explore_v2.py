@@ -32,6 +32,7 @@ from fusemla.testing import DEEPSEEK_V3, check_against_reference, make_inputs  #
 
 LAYERS = 8
 DEVICE = "cuda"
+PHASE = 1
 DIMS = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
 
 
@@ -63,7 +64,28 @@ def floors(H):
     return rows
 
 
+LARGE_BMM = [(128, 64, 8, 2, 1), (128, 64, 8, 2, 2), (128, 128, 8, 3, 1), (128, 64, 4, 3, 2),
+             (256, 64, 8, 2, 2), (256, 128, 8, 2, 1), (128, 64, 4, 2, 2), (128, 64, 8, 3, 1)]
+
+
+def space2(H, B, fmt):
+    """Phase 2 (after the vectorized RoPE): the best BMM tiles of phase 1 x RoPE/cache tiles."""
+    if B <= SMALL_BATCH:
+        return [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns,
+                     ROPE_ROWS=rr)
+                for (bl, nw, pps, ns), rr in itertools.product(
+                    ((128, 4, 2, 3), (256, 4, 0, 2), (256, 8, 0, 2), (128, 8, 0, 2)), (32, 64))]
+    out = [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps,
+                ROPE_ROWS=64, CACHE_ROWS=4) for bl, bt, nw, ns, pps in LARGE_BMM]
+    for rr, cr in ((32, 4), (128, 4), (64, 8), (128, 8)):
+        out += [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps,
+                     ROPE_ROWS=rr, CACHE_ROWS=cr) for bl, bt, nw, ns, pps in LARGE_BMM[:3]]
+    return out
+
+
 def space(H, B, fmt):
+    if PHASE == 2:
+        return space2(H, B, fmt)
     small = B <= SMALL_BATCH
     out = []
     if small and H <= 32:
@@ -99,17 +121,25 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
+    ap.add_argument("--phase", type=int, default=1, choices=[1, 2])
     a = ap.parse_args()
     t_start = time.time()
     torch.manual_seed(0)
+    global PHASE
+    PHASE = a.phase
     rows = []
-    for H in (16, 128):
+    for H in ((16, 128) if PHASE == 1 else ()):
         for r in floors(H):
             rows.append(r)
             print(r, flush=True)
     shapes = [(H, B, "bf16") for H in (16, 128) for B in (1, 8, 64, 512)]
-    shapes += [(128, B, f) for f in ("fp8", "mxfp4") for B in (1, 8, 64)]
-    shapes += [(16, 1, "fp8"), (16, 512, "fp8"), (128, 512, "fp8")]
+    if PHASE == 1:
+        shapes += [(128, B, f) for f in ("fp8", "mxfp4") for B in (1, 8, 64)]
+        shapes += [(16, 1, "fp8"), (16, 512, "fp8"), (128, 512, "fp8")]
+    else:
+        shapes = [(128, 512, "bf16"), (16, 512, "bf16"), (128, 64, "bf16"), (16, 64, "bf16"),
+                  (128, 1, "bf16"), (128, 8, "bf16"), (16, 1, "bf16"), (128, 512, "fp8"),
+                  (128, 1, "fp8"), (128, 1, "mxfp4")]
     shapes = [s for s in shapes if s[1] in a.batches]
     best = {}
     for H, B, fmt in shapes:

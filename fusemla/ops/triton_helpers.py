@@ -1,4 +1,4 @@
-"""Triton helpers shared by fusemla's kernels: RoPE partner indexing and exact FP8 rounding."""
+"""Triton helpers shared by fusemla's kernels: vectorized RoPE pairs and exact FP8 rounding."""
 
 from __future__ import annotations
 
@@ -7,23 +7,55 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_indices(o_r, R: tl.constexpr, IS_NEOX: tl.constexpr):
-    """For lane ``o_r`` of an R-wide rotary vector: (partner lane, cos/sin column, sign).
+def load_rope_halves(p_rows, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                     IS_NEOX: tl.constexpr):
+    """The two halves of each rotary pair for rows ``p_rows`` ([ROWS] row pointers; lanes
+    beyond ``2 * HALF`` and rows off ``m_rows`` read 0) as fp32 ``[ROWS, BLOCK_H]`` each:
+    pair ``i`` is lanes (2i, 2i+1) interleaved (GPT-J, DeepSeek) or (i, i + HALF) NeoX.
 
-    The rotated value is ``x[o_r] * cos[col] + sign * x[partner] * sin[col]``.
-    Interleaved (GPT-J, DeepSeek): pairs (2i, 2i+1) rotate by angle i.
-    NeoX: pairs (i, i + R/2) rotate by angle i.
+    Every load is contiguous along the row (no per-lane partner gather): interleaved rows are
+    read whole and split into even/odd lanes in registers; NeoX rows as two contiguous halves.
     """
-    HALF: tl.constexpr = R // 2
+    o_h = tl.arange(0, BLOCK_H)
     if IS_NEOX:
-        partner = tl.where(o_r < HALF, o_r + HALF, o_r - HALF)
-        col = tl.where(o_r < HALF, o_r, o_r - HALF)
-        sign = tl.where(o_r < HALF, -1.0, 1.0)
+        m = m_rows[:, None] & (o_h < HALF)[None, :]
+        x_a = tl.load(p_rows[:, None] + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        x_b = tl.load(p_rows[:, None] + HALF + o_h[None, :], mask=m, other=0.0).to(tl.float32)
     else:
-        partner = o_r ^ 1
-        col = o_r // 2
-        sign = tl.where((o_r % 2) == 0, -1.0, 1.0)
-    return partner, col, sign
+        o_r = tl.arange(0, 2 * BLOCK_H)
+        m = m_rows[:, None] & (o_r < 2 * HALF)[None, :]
+        x = tl.load(p_rows[:, None] + o_r[None, :], mask=m, other=0.0).to(tl.float32)
+        x_a, x_b = tl.split(tl.reshape(x, (x.shape[0], BLOCK_H, 2)))
+    return x_a, x_b
+
+
+@triton.jit
+def rotate_halves(x_a, x_b, pos, m_rows, p_cos, s_cos, p_sin, s_sin, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """Rotate pairs (x_a, x_b) ([ROWS, BLOCK_H] fp32) by the angles of positions ``pos``
+    ([ROWS] int64): ``(a cos - b sin, b cos + a sin)``, cos/sin rows read contiguously."""
+    o_h = tl.arange(0, BLOCK_H)
+    m = m_rows[:, None] & (o_h < HALF)[None, :]
+    c = tl.load(p_cos + pos[:, None] * s_cos + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(p_sin + pos[:, None] * s_sin + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+    return x_a * c - x_b * s, x_b * c + x_a * s
+
+
+@triton.jit
+def store_rope_halves(p_rows, y_a, y_b, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                      IS_NEOX: tl.constexpr):
+    """Store pairs (y_a, y_b) (already in the destination dtype) back into rows ``p_rows`` in
+    the layout :func:`load_rope_halves` reads (rows off ``m_rows`` store nothing)."""
+    o_h = tl.arange(0, BLOCK_H)
+    if IS_NEOX:
+        m = m_rows[:, None] & (o_h < HALF)[None, :]
+        tl.store(p_rows[:, None] + o_h[None, :], y_a, mask=m)
+        tl.store(p_rows[:, None] + HALF + o_h[None, :], y_b, mask=m)
+    else:
+        o_r = tl.arange(0, 2 * BLOCK_H)
+        m = m_rows[:, None] & (o_r < 2 * HALF)[None, :]
+        y = tl.reshape(tl.join(y_a, y_b), (y_a.shape[0], 2 * BLOCK_H))
+        tl.store(p_rows[:, None] + o_r[None, :], y, mask=m)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
@@ -103,10 +103,14 @@ def _tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def _shape(name: str, x: torch.Tensor, expected: Sequence[int | None], what: str) -> None:
+def _shape(name: str, x: torch.Tensor, expected: Sequence[int | None],
+           what: Callable[[], str]) -> None:
+    """Check ``x``'s shape against ``expected`` (None: any size). ``what`` builds the expected
+    shape's text, and is called only when the check fails: formatting a size into a string
+    under ``torch.compile`` would specialize a symbolic (dynamic) batch size to a constant."""
     ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
     if not ok:
-        raise FuseMLAValueError(f"{name}: expected shape {what}, got {describe(x)}")
+        raise FuseMLAValueError(f"{name}: expected shape {what()}, got {describe(x)}")
 
 
 def _dtype(name: str, x: torch.Tensor, allowed: Sequence[torch.dtype], hint: str = "") -> None:
@@ -166,7 +170,7 @@ def _weight(w_uk_t: object, H: int, P: int, L: int, act: torch.dtype) -> object:
             )
         return w_uk_t
     w_uk_t = _tensor("w_uk_t", w_uk_t)
-    _shape("w_uk_t", w_uk_t, (H, P, L), f"[H={H}, P={P}, L={L}]")
+    _shape("w_uk_t", w_uk_t, (H, P, L), lambda: f"[H={H}, P={P}, L={L}]")
     if w_uk_t.dtype != act:
         raise FuseMLATypeError(
             f"w_uk_t: expected dtype {act} (the activations' dtype) or a "
@@ -189,8 +193,8 @@ def _num_decode_tokens(value: object, N: int) -> int:
     return value
 
 
-def _output(name: str, x: torch.Tensor | None, shape: tuple, what: str, dtype: torch.dtype,
-            like: torch.Tensor) -> torch.Tensor:
+def _output(name: str, x: torch.Tensor | None, shape: tuple, what: Callable[[], str],
+            dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     """A given output, checked; or a new empty one."""
     if x is None:
         return like.new_empty(shape, dtype=dtype)
@@ -241,7 +245,7 @@ def prepare(
     if q_pe.dim() != 3:
         raise FuseMLAValueError(f"q_pe: expected shape [N={B}, H={H}, R], got {describe(q_pe)}")
     R = q_pe.shape[2]
-    _shape("q_pe", q_pe, (B, H, R), f"[N={B}, H={H}, R]")
+    _shape("q_pe", q_pe, (B, H, R), lambda: f"[N={B}, H={H}, R]")
     if R % 2 != 0 or R == 0:
         raise FuseMLAValueError(f"q_pe: the rope dim R must be even and > 0, got {describe(q_pe)}")
 
@@ -249,24 +253,24 @@ def prepare(
     if kv_c.dim() != 2:
         raise FuseMLAValueError(f"kv_c: expected shape [N={B}, L], got {describe(kv_c)}")
     L = kv_c.shape[1]
-    _shape("kv_c", kv_c, (B, L), f"[N={B}, L]")
+    _shape("kv_c", kv_c, (B, L), lambda: f"[N={B}, L]")
 
     k_pe = _tensor("k_pe", k_pe)
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
         k_pe = k_pe[:, 0]
-    _shape("k_pe", k_pe, (B, R), f"[N={B}, R={R}] or [N={B}, 1, R={R}]")
+    _shape("k_pe", k_pe, (B, R), lambda: f"[N={B}, R={R}] or [N={B}, 1, R={R}]")
 
     w_uk_t = _weight(w_uk_t, H, P, L, act)
 
     positions = _tensor("positions", positions)
-    _shape("positions", positions, (B,), f"[N={B}]")
+    _shape("positions", positions, (B,), lambda: f"[N={B}]")
     _dtype("positions", positions, INDEX_DTYPES)
 
     cos_cache = _tensor("cos_cache", cos_cache)
     sin_cache = _tensor("sin_cache", sin_cache)
-    _shape("cos_cache", cos_cache, (None, R // 2), f"[max_position, R/2={R // 2}]")
+    _shape("cos_cache", cos_cache, (None, R // 2), lambda: f"[max_position, R/2={R // 2}]")
     _shape("sin_cache", sin_cache, (cos_cache.shape[0], R // 2),
-           f"[max_position={cos_cache.shape[0]}, R/2={R // 2}] (like cos_cache)")
+           lambda: f"[max_position={cos_cache.shape[0]}, R/2={R // 2}] (like cos_cache)")
     if cos_cache.shape[0] == 0:
         raise FuseMLAValueError(
             f"cos_cache: expected at least one position, got {describe(cos_cache)}")
@@ -274,7 +278,8 @@ def prepare(
     _dtype("sin_cache", sin_cache, ROPE_DTYPES)
 
     kv_cache = _tensor("kv_cache", kv_cache)
-    _shape("kv_cache", kv_cache, (None, None, L + R), f"[num_blocks, block_size, L+R={L + R}]")
+    _shape("kv_cache", kv_cache, (None, None, L + R),
+           lambda: f"[num_blocks, block_size, L+R={L + R}]")
     if kv_cache.dtype == torch.uint8:
         raise FuseMLATypeError(
             "kv_cache: a uint8 cache must be viewed as its FP8 type first "
@@ -283,7 +288,7 @@ def prepare(
     _dtype("kv_cache", kv_cache, CACHE_DTYPES)
 
     slot_mapping = _tensor("slot_mapping", slot_mapping)
-    _shape("slot_mapping", slot_mapping, (B,), f"[N={B}]")
+    _shape("slot_mapping", slot_mapping, (B,), lambda: f"[N={B}]")
     _dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
 
     for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
@@ -295,10 +300,13 @@ def prepare(
         raise FuseMLATypeError(
             f"q_out_dtype: expected None, {act} or an FP8 dtype, got {q_out_dtype!r}"
         )
-    q = _output("out", out, (D, H, L + R), f"[D={D}, H={H}, L+R={L + R}]", q_dtype, q_nope)
-    q_pe_out = _output("q_pe_out", q_pe_out, (B - D, H, R), f"[N-D={B - D}, H={H}, R={R}]",
+    q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype,
+                q_nope)
+    q_pe_out = _output("q_pe_out", q_pe_out, (B - D, H, R),
+                       lambda: f"[N-D={B - D}, H={H}, R={R}]",
                        act, q_nope)
-    k_pe_out = _output("k_pe_out", k_pe_out, (B - D, R), f"[N-D={B - D}, R={R}]", act, q_nope)
+    k_pe_out = _output("k_pe_out", k_pe_out, (B - D, R), lambda: f"[N-D={B - D}, R={R}]", act,
+                       q_nope)
 
     kv_fp8 = kv_cache.dtype in FP8_DTYPES
     kv_scale = check_scale("kv_scale", kv_scale,

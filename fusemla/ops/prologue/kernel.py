@@ -38,8 +38,10 @@ from fusemla.ops.triton_helpers import (
     cast_rne,
     e2m1_to_f32,
     e8m0_to_f32,
+    load_rope_halves,
     quantize_value,
-    rope_indices,
+    rotate_halves,
+    store_rope_halves,
 )
 
 
@@ -66,22 +68,19 @@ def _rope_q_program(
     o_i = o_row // H  # token index within the range (the output's row)
     o_t = tok0 + o_i  # token index in the batch (the inputs' row)
     o_h = o_row % H
-    o_r = tl.arange(0, BLOCK_R)
-    o_partner, o_col, sign = rope_indices(o_r, R, IS_NEOX)
-    m = m_row[:, None] & (o_r < R)[None, :]
-    # [ROPE_ROWS, BLOCK_R]
-    p_x = p_qp + o_t[:, None] * s_qp_t + o_h[:, None] * s_qp_h
-    b_x = tl.load(p_x + o_r[None, :], mask=m, other=0.0).to(tl.float32)
+    x_a, x_b = load_rope_halves(p_qp + o_t * s_qp_t + o_h * s_qp_h, m_row, R // 2,
+                                BLOCK_R // 2, IS_NEOX)
     if APPLY_ROPE:
         pos = tl.load(p_pos + o_t * s_pos, mask=m_row, other=0).to(tl.int64)
         pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        b_y = tl.load(p_x + o_partner[None, :], mask=m, other=0.0).to(tl.float32)
-        b_cos = tl.load(p_cos + pos[:, None] * s_cos + o_col[None, :], mask=m, other=0.0)
-        b_sin = tl.load(p_sin + pos[:, None] * s_sin + o_col[None, :], mask=m, other=0.0)
-        b_x = b_x * b_cos.to(tl.float32) + b_y * (b_sin.to(tl.float32) * sign[None, :])
-    b_x = quantize_value(b_x, _scale(p_os, os_value, OS_FROM_PTR), O_FP8)
-    p_out = p_o + o_i[:, None] * s_o_t + o_h[:, None] * s_o_h + o_col0 + o_r[None, :]
-    tl.store(p_out, cast_rne(b_x, p_o.dtype.element_ty, FIX_BF16), mask=m)
+        x_a, x_b = rotate_halves(x_a, x_b, pos, m_row, p_cos, s_cos, p_sin, s_sin, R // 2,
+                                 BLOCK_R // 2)
+    scale = _scale(p_os, os_value, OS_FROM_PTR)
+    ty = p_o.dtype.element_ty
+    store_rope_halves(p_o + o_i * s_o_t + o_h * s_o_h + o_col0,
+                      cast_rne(quantize_value(x_a, scale, O_FP8), ty, FIX_BF16),
+                      cast_rne(quantize_value(x_b, scale, O_FP8), ty, FIX_BF16),
+                      m_row, R // 2, BLOCK_R // 2, IS_NEOX)
 
 
 @triton.jit
@@ -241,20 +240,13 @@ def _cache_program(
     slot = tl.where(valid, slot, 0)
     scale = _scale(p_kvs, kv_scale_value, KV_SCALE_PTR)
 
-    o_r = tl.arange(0, BLOCK_R)
-    m_r = m_t[:, None] & (o_r < R)[None, :]
-    # [CACHE_ROWS, BLOCK_R]
-    p_k = p_kpe + o_t[:, None] * s_kpe_t
-    b_k = tl.load(p_k + o_r[None, :], mask=m_r, other=0.0).to(tl.float32)
+    # [CACHE_ROWS, BLOCK_R / 2] each: the two lanes of every rotary pair of k_pe
+    k_a, k_b = load_rope_halves(p_kpe + o_t * s_kpe_t, m_t, R // 2, BLOCK_R // 2, IS_NEOX)
     if APPLY_ROPE:
         pos = tl.load(p_pos + o_t * s_pos, mask=m_t, other=0).to(tl.int64)
         pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        o_partner, o_col, sign = rope_indices(o_r, R, IS_NEOX)
-        b_kp = tl.load(p_k + o_partner[None, :], mask=m_r, other=0.0).to(tl.float32)
-        b_cos = tl.load(p_cos + pos[:, None] * s_cos + o_col[None, :], mask=m_r,
-                        other=0.0).to(tl.float32)
-        b_sin = tl.load(p_sin + pos[:, None] * s_sin + o_col[None, :], mask=m_r,
-                        other=0.0).to(tl.float32)
+        k_a, k_b = rotate_halves(k_a, k_b, pos, m_t, p_cos, s_cos, p_sin, s_sin, R // 2,
+                                 BLOCK_R // 2)
 
     cache_ty = p_cache.dtype.element_ty
     p_row = p_cache + (slot // block_size) * s_cache_b + (slot % block_size) * s_cache_s
@@ -266,14 +258,14 @@ def _cache_program(
         b_c = quantize_value(b_c, scale, KV_FP8)
         tl.store(p_row[:, None] + o_c[None, :], cast_rne(b_c, cache_ty, FIX_BF16),
                  mask=valid[:, None] & (o_c < L)[None, :])
-    if APPLY_ROPE:
-        b_k = b_k * b_cos + b_kp * (b_sin * sign[None, :])
-    # prefill tokens: the rotated k_pe for the prefill attention (masked off for decode tokens)
-    tl.store(p_kpo + (o_t - D)[:, None] * s_kpo_t + o_r[None, :],
-             cast_rne(b_k, p_kpo.dtype.element_ty, FIX_BF16), mask=m_r & (o_t >= D)[:, None])
-    b_k = quantize_value(b_k, scale, KV_FP8)
-    tl.store(p_row[:, None] + L + o_r[None, :], cast_rne(b_k, cache_ty, FIX_BF16),
-             mask=valid[:, None] & (o_r < R)[None, :])
+    # prefill tokens: the rotated k_pe for the prefill attention (decode tokens store nothing)
+    kpo_ty = p_kpo.dtype.element_ty
+    store_rope_halves(p_kpo + (o_t - D) * s_kpo_t, cast_rne(k_a, kpo_ty, FIX_BF16),
+                      cast_rne(k_b, kpo_ty, FIX_BF16), m_t & (o_t >= D), R // 2, BLOCK_R // 2,
+                      IS_NEOX)
+    store_rope_halves(p_row + L, cast_rne(quantize_value(k_a, scale, KV_FP8), cache_ty, FIX_BF16),
+                      cast_rne(quantize_value(k_b, scale, KV_FP8), cache_ty, FIX_BF16), valid,
+                      R // 2, BLOCK_R // 2, IS_NEOX)
 
 
 @triton.heuristics({
