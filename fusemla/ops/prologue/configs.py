@@ -23,45 +23,72 @@ from typing import Any
 
 import triton
 
-#: decode batches up to this size use the small-batch tile config (one extra compiled variant)
+#: decode batches up to this size use the small-batch tile config
 SMALL_BATCH = 8
+#: decode batches of at least this size use the large-batch tile config (in between: medium)
+LARGE_BATCH = 256
 
 _KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
          "num_warps", "num_stages", "programs_per_sm")
 _overrides: dict[str, Any] = {}
 
+# (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm, ROPE_ROWS, CACHE_ROWS): the best of
+# two sweeps on an H200 at DeepSeek-V3 dims (benchmarks/explore_v2.py, every config checked
+# against the reference first; benchmarks/results/h200_explore_v2_*.json)
+_CUDA_TILES = {
+    # (heads <= 32, bucket, weight format or None for any)
+    (True, "small", None): (128, 16, 4, 3, 2.0, 64, 1),
+    (True, "medium", None): (128, 64, 8, 2, 2.0, 128, 8),
+    (True, "large", None): (128, 64, 8, 2, 2.0, 128, 8),
+    (False, "small", "plain"): (128, 16, 4, 3, 2.0, 64, 1),
+    (False, "small", "fp8"): (256, 16, 4, 2, 0.0, 64, 1),
+    (False, "small", "mxfp4"): (128, 16, 8, 2, 0.0, 64, 1),
+    (False, "medium", None): (128, 64, 8, 2, 2.0, 128, 8),
+    (False, "large", "fp8"): (128, 64, 4, 3, 2.0, 64, 4),
+    (False, "large", None): (128, 128, 8, 3, 1.0, 128, 8),
+}
+
+
+def batch_bucket(D: int) -> str:
+    """The tile bucket of ``D`` decode tokens: "small" (<= :data:`SMALL_BATCH`), "large"
+    (>= :data:`LARGE_BATCH`) or "medium"."""
+    return "small" if D <= SMALL_BATCH else "large" if D >= LARGE_BATCH else "medium"
+
 
 @functools.cache
-def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool) -> dict:
+def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool,
+                 large: bool = False, w_format: str = "plain") -> dict:
     common = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
-                  BLOCK_LC=min(512, triton.next_power_of_2(L)), ROPE_ROWS=64, CACHE_ROWS=1,
-                  BLOCK_T=16)
+                  BLOCK_LC=min(512, triton.next_power_of_2(L)))
     lmax = triton.next_power_of_2(L)
     if backend == "interpreter":
         half = max(16, lmax // 2)
-        return dict(common, BLOCK_L=half, BLOCK_LC=half, ROPE_ROWS=16, CACHE_ROWS=2,
-                    num_warps=1, num_stages=1, programs_per_sm=3.0)
-    if small:
-        return dict(common, BLOCK_L=min(128 if H <= 32 else 256, lmax), num_warps=8,
-                    num_stages=2, programs_per_sm=0.0)
-    if H <= 32:
-        return dict(common, BLOCK_L=min(128, lmax), BLOCK_T=64, CACHE_ROWS=4, num_warps=8,
-                    num_stages=3, programs_per_sm=1.0)
-    return dict(common, BLOCK_L=min(256, lmax), BLOCK_T=64, CACHE_ROWS=4, num_warps=8,
-                num_stages=2, programs_per_sm=1.0)
+        return dict(common, BLOCK_L=half, BLOCK_T=16, BLOCK_LC=half, ROPE_ROWS=16,
+                    CACHE_ROWS=2, num_warps=1, num_stages=1, programs_per_sm=3.0)
+    bucket = "small" if small else "large" if large else "medium"
+    key = (H <= 32, bucket)
+    tiles = _CUDA_TILES.get((*key, w_format)) or _CUDA_TILES[(*key, None)]
+    bl, bt, nw, ns, pps, rr, cr = tiles
+    return dict(common, BLOCK_L=min(bl, lmax), BLOCK_T=bt, num_warps=nw, num_stages=ns,
+                programs_per_sm=pps, ROPE_ROWS=rr, CACHE_ROWS=cr)
 
 
-def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = False) -> dict:
+def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = False, *,
+                  large: bool = False, w_format: str = "plain") -> dict:
     """Tile sizes for one model shape on one backend ("cuda", "rocm" or "interpreter").
 
-    ``small``: decode batch <= :data:`SMALL_BATCH`. ``programs_per_sm``: BMM programs per
-    multiprocessor when the work items outnumber them (persistent programs); 0 = one program
-    per item. The CUDA values are the best of a sweep on an H200
-    (``benchmarks/bench_prologue.py --sweep``); ROCm uses them until measured there.
+    ``small`` / ``large``: the decode batch's bucket (:func:`batch_bucket`; neither: medium),
+    ``w_format``: "plain", "fp8" or "mxfp4". Keyed on these and the model dims only, never on
+    the token count, so a serving loop compiles at most three variants per weight format.
+    ``programs_per_sm``: BMM programs per multiprocessor when the work items outnumber them
+    (persistent programs); 0 = one program per item. The CUDA values are the best of sweeps
+    on an H200; ROCm uses them until measured there.
     """
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
-    cfg = dict(_base_config(H, P, R, L, backend, small))
+    if small and large:
+        raise ValueError("launch_config: a batch cannot be both small and large")
+    cfg = dict(_base_config(H, P, R, L, backend, small, large, w_format))
     cfg.update(_overrides)
     return cfg
 

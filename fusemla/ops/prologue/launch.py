@@ -69,7 +69,9 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     backend = backend_of(args.q_nope.device, info)
     _check_formats(args, backend)
     if cfg is None:
-        cfg = configs.launch_config(H, P, R, L, backend, D <= configs.SMALL_BATCH)
+        bucket = configs.batch_bucket(D)
+        cfg = configs.launch_config(H, P, R, L, backend, bucket == "small",
+                                    large=bucket == "large", w_format=weight_format(args.w_uk_t))
     num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
     n_bmm = configs.bmm_programs(D, H, L, cfg, num_sms)
     n_rope_d = triton.cdiv(D * H, cfg["ROPE_ROWS"])
