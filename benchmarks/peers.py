@@ -108,11 +108,11 @@ def rotary_kernel(p_pos, s_pos, p_cos, s_cos, p_sin, s_sin, max_pos,
     tl.store(dst + ia[None, :], _rne_bf16(oa, FIX_BF16).to(ty), mask=m)
     tl.store(dst + ib[None, :], _rne_bf16(ob, FIX_BF16).to(ty), mask=m)
     if j == 0:
-        a = tl.load(p_k + t * s_k_t + ia, mask=mi, other=0.0).to(tl.float32)
-        b = tl.load(p_k + t * s_k_t + ib, mask=mi, other=0.0).to(tl.float32)
-        ty = p_ko.dtype.element_ty
-        tl.store(p_ko + t * s_ko_t + ia, _rne_bf16(a * c - b * s, FIX_BF16).to(ty), mask=mi)
-        tl.store(p_ko + t * s_ko_t + ib, _rne_bf16(b * c + a * s, FIX_BF16).to(ty), mask=mi)
+        ka = tl.load(p_k + t * s_k_t + ia, mask=mi, other=0.0).to(tl.float32)
+        kb = tl.load(p_k + t * s_k_t + ib, mask=mi, other=0.0).to(tl.float32)
+        kty = p_ko.dtype.element_ty
+        tl.store(p_ko + t * s_ko_t + ia, _rne_bf16(ka * c - kb * s, FIX_BF16).to(kty), mask=mi)
+        tl.store(p_ko + t * s_ko_t + ib, _rne_bf16(kb * c + ka * s, FIX_BF16).to(kty), mask=mi)
 
 
 def _interpreting() -> bool:

@@ -66,7 +66,7 @@ not require grad: it is an inference layer.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -362,8 +362,8 @@ class MLAAttention(nn.Module):
         md = self._check_step(metadata, kv_cache)
         N = md.num_tokens
         x = self._check_activation("hidden_states", hidden_states, (N, self.hidden_size),
-                                   f"[N={N} (the metadata's num_tokens), "
-                                   f"hidden_size={self.hidden_size}]")
+                                   lambda: f"[N={N} (the metadata's num_tokens), "
+                                           f"hidden_size={self.hidden_size}]")
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
@@ -384,11 +384,13 @@ class MLAAttention(nn.Module):
         H, P, R, L, V = self.H, self.P, self.R, self.L, self.V
         md = self._check_step(metadata, kv_cache)
         N, D = md.num_tokens, md.num_decode_tokens
-        q = self._check_activation("q", q, (N, H, P + R), f"[N={N}, H={H}, P+R={P + R}]")
-        self._check_activation("kv_c", kv_c, (N, L), f"[N={N}, L={L}]")
+        # the expected shapes' texts are built only on failure: formatting N under
+        # torch.compile would specialize a dynamic batch size
+        q = self._check_activation("q", q, (N, H, P + R), lambda: f"[N={N}, H={H}, P+R={P + R}]")
+        self._check_activation("kv_c", kv_c, (N, L), lambda: f"[N={N}, L={L}]")
         if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3 and k_pe.shape[1] == 1:
             k_pe = k_pe[:, 0]
-        self._check_activation("k_pe", k_pe, (N, R), f"[N={N}, R={R}] or [N, 1, R]")
+        self._check_activation("k_pe", k_pe, (N, R), lambda: f"[N={N}, R={R}] or [N, 1, R]")
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (N,):
             raise FuseMLAValueError(f"positions: expected a tensor of shape [N={N}] (the "
                                     f"metadata's num_tokens), got {describe(positions)}")
@@ -402,14 +404,18 @@ class MLAAttention(nn.Module):
             o = paged_decode_attention(dec_q, kv_cache, md.block_table[:D], md.seq_lens[:D],
                                        self.softmax_scale, kv_scale, kv_lora_rank=L)
             parts.append(torch.einsum("dhl,hlv->dhv", o, self.W_UV.float()))  # [D, H, V]
-        qsl, bs = md.query_start_loc_cpu, md.block_size
-        for r in range(md.num_decodes, md.num_reqs):
-            t0, t1, S = qsl[r], qsl[r + 1], md.seq_lens_cpu[r]
-            blocks = md.block_table[r:r + 1, :math.ceil(S / bs)]
-            rows = gather_latents(kv_cache, blocks, kv_scale, L)[0, :S]
-            parts.append(prefill_attention(q_nope[t0:t1], pre_q_pe[t0 - D:t1 - D], rows,
-                                           self.W_UK, self.W_UV, S - (t1 - t0),
-                                           self.softmax_scale))
+        # Prefill requests, one at a time (host ints: a step with prefills specializes its
+        # shapes). A decode-only step never reads the request count (len(seq_lens_cpu) == N),
+        # so its batch size can stay dynamic under torch.compile.
+        if md.num_prefills > 0:
+            qsl, bs = md.query_start_loc_cpu, md.block_size
+            for r in range(md.num_decodes, md.num_reqs):
+                t0, t1, S = qsl[r], qsl[r + 1], md.seq_lens_cpu[r]
+                blocks = md.block_table[r:r + 1, :math.ceil(S / bs)]
+                rows = gather_latents(kv_cache, blocks, kv_scale, L)[0, :S]
+                parts.append(prefill_attention(q_nope[t0:t1], pre_q_pe[t0 - D:t1 - D], rows,
+                                               self.W_UK, self.W_UV, S - (t1 - t0),
+                                               self.softmax_scale))
         if not parts:
             return q.new_zeros(0, H * V)
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -446,12 +452,14 @@ class MLAAttention(nn.Module):
         pre_q_pe = pre.q_pe if pre is not None else q_pe.new_empty(0, self.H, self.R)
         return dec_q, pre_q_pe
 
-    def _check_activation(self, name: str, x: object, shape: tuple, what: str) -> torch.Tensor:
+    def _check_activation(self, name: str, x: object, shape: tuple,
+                          what: Callable[[], str]) -> torch.Tensor:
+        """``what()``: the expected shape's text, built only when a check fails."""
         if not isinstance(x, torch.Tensor):
-            raise FuseMLATypeError(f"{name}: expected a torch.Tensor {what}, got {describe(x)}")
+            raise FuseMLATypeError(f"{name}: expected a torch.Tensor {what()}, got {describe(x)}")
         if x.dim() != len(shape) or any(e is not None and e != s
                                          for e, s in zip(shape, x.shape)):
-            raise FuseMLAValueError(f"{name}: expected shape {what}, got {describe(x)}")
+            raise FuseMLAValueError(f"{name}: expected shape {what()}, got {describe(x)}")
         if x.dtype != self.dtype:
             raise FuseMLATypeError(f"{name}: expected dtype {self.dtype} (the layer's), "
                                    f"got {describe(x)}")
