@@ -4,6 +4,11 @@ For each (H, B, weight format) a small grid of launch configs is checked against
 at DeepSeek-V3 dims (q and every cache byte) and, if correct, timed in the 8-layer CUDA graph.
 Also two floors: an empty Triton kernel and a Triton kernel that only reads W_UK_T.
 Writes JSON to --out and prints the best config per shape.
+
+PDL is off (``FUSEMLA_PDL=off`` unless set): the targets are judged with PDL off, and with it on
+each prologue in the graph overlaps the one before it, which favours other small-batch tiles.
+The committed phase 1-2 JSONs (``benchmarks/results/h200_explore_v2_phase*.json``) were taken
+before this default, with PDL on.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ def weights(inp, fmt):
 
 
 def main():
+    os.environ.setdefault("FUSEMLA_PDL", "off")
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=480)

@@ -363,6 +363,7 @@ def test_report_h200():
     assert "FP8 dtype: float8_e4m3fn" in text
     assert "native FP8 dots: yes" in text and "native FP4 (MX) dots: no" in text
     assert "FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers" in text
+    assert "pick a weight format for memory, not prologue speed" in text
     assert "MXFP4 weights: dequant" in text
     assert "FUSEMLA_MXFP4_PATH: not set -> auto" in text
 
