@@ -88,7 +88,16 @@ def space2(H, B, fmt):
     return out
 
 
+def space3(H, B, fmt):
+    """Phase 3: small batches with PDL off (phases 1-2 ran with PDL on)."""
+    return [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns)
+            for bl, nw, (pps, ns) in itertools.product((64, 128, 256), (4, 8),
+                                                       ((0, 2), (2, 3)))]
+
+
 def space(H, B, fmt):
+    if PHASE == 3:
+        return space3(H, B, fmt)
     if PHASE == 2:
         return space2(H, B, fmt)
     small = B <= SMALL_BATCH
@@ -127,7 +136,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
-    ap.add_argument("--phase", type=int, default=1, choices=[1, 2])
+    ap.add_argument("--phase", type=int, default=1, choices=[1, 2, 3])
     a = ap.parse_args()
     t_start = time.time()
     torch.manual_seed(0)
@@ -142,6 +151,9 @@ def main():
     if PHASE == 1:
         shapes += [(128, B, f) for f in ("fp8", "mxfp4") for B in (1, 8, 64)]
         shapes += [(16, 1, "fp8"), (16, 512, "fp8"), (128, 512, "fp8")]
+    elif PHASE == 3:
+        shapes = [(16, 1, "bf16"), (128, 1, "bf16"), (16, 8, "bf16"), (128, 8, "bf16"),
+                  (128, 1, "fp8")]
     else:
         shapes = [(128, 512, "bf16"), (16, 512, "bf16"), (128, 64, "bf16"), (16, 64, "bf16"),
                   (128, 1, "bf16"), (128, 8, "bf16"), (16, 1, "bf16"), (128, 512, "fp8"),

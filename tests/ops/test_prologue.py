@@ -437,6 +437,46 @@ def test_decode_alias_equals_mla_prologue(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_pdl_under_torch_compile(device, mode, monkeypatch):
+    """PDL on inside a torch.compile'd step whose inductor kernels produce the prologue's
+    inputs right before it (and, with reduce-overhead, CUDA graphs): several calls with new
+    inputs, outputs poisoned, results against the reference every time."""
+    from fusemla import platform
+
+    if not platform.supports_pdl(platform.detect(device)):
+        pytest.skip("no programmatic dependent launch here")
+    monkeypatch.setenv("FUSEMLA_PDL", "on")
+    assert platform.choose_pdl(platform.detect(device))
+    g = _gen("pdl-compile", mode)
+    N, D, H = 40, 32, 16
+    inp = make_inputs(N, **_dims(device, H), num_decode_tokens=D, device=device, generator=g)
+    src_q, src_kv = inp.q_nope.clone(), inp.kv_c.clone()
+    scale = torch.ones((), device=device)
+
+    def step(src_q, src_kv, scale):
+        q_nope = src_q * scale  # inductor kernels writing the prologue's inputs
+        kv_c = src_kv * scale
+        return mla_prologue(q_nope, inp.q_pe, kv_c, inp.k_pe, inp.w_uk_t, inp.positions,
+                            inp.cos_cache, inp.sin_cache, inp.kv_cache, inp.slot_mapping,
+                            num_decode_tokens=D, kv_scale=inp.kv_scale)
+
+    compiled = torch.compile(step, fullgraph=True, mode=None if mode == "default" else mode)
+    for _ in range(3):
+        fresh = make_inputs(N, **_dims(device, H), num_decode_tokens=D, device=device,
+                            generator=g)
+        for name in ("q_nope", "q_pe", "kv_c", "k_pe", "positions", "slot_mapping"):
+            getattr(inp, name).copy_(getattr(fresh, name))
+        src_q.copy_(inp.q_nope)
+        src_kv.copy_(inp.kv_c)
+        before = inp.kv_cache.clone()
+        out = compiled(src_q, src_kv, scale)
+        torch.cuda.synchronize()
+        res = check_against_reference(inp, tuple(t.clone() for t in out), before)
+        res.assert_ok()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl", ["on", "off"])
 def test_pdl_behind_a_triton_producer_in_a_cuda_graph(device, pdl, monkeypatch):
     """A producer writes the prologue's inputs right before it, inside a CUDA graph; with PDL the
