@@ -249,11 +249,10 @@ def make_compiled_body():
     ``torch.compile(fullgraph=True)`` (no graph break: a break would hand the batch size to the
     resumed frame as a constant).
 
-    Not ``mla_decode_prologue_ref`` itself: its ``prepare()`` formats error messages with the
-    shapes before any check fails (f-strings of ``N``), which dynamo specializes to constants,
-    so a compile of it can never keep the batch dim dynamic (a ConstraintViolationError with
-    ``mark_dynamic``). The argument checks are host-side Python, which a compiled graph drops
-    anyway."""
+    The argument checks of ``mla_decode_prologue_ref`` are host-side Python (validated once
+    outside the timed graph here, as an engine validates at setup), so the compiled graph holds
+    only the four steps an unfused engine path runs. (The JSON of commit 90e81b4 was taken with
+    this body; ``prepare()`` itself keeps the batch dim dynamic since 42d3a20.)"""
     from fusemla.ops.prologue.args import PrologueArgs
     from fusemla.reference.prologue import prologue_into
 
@@ -266,7 +265,7 @@ def make_compiled_body():
                       positions=positions, cos_cache=cos_cache, sin_cache=sin_cache,
                       kv_cache=kv_cache, slot_mapping=slot_mapping, num_decode_tokens=D,
                       is_neox=False, apply_rope=True, kv_scale=kv_scale, q_scale=None,
-                      fp8_activations=False, q=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out)
+                      q=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out)
         prologue_into(PrologueArgs(**{k: v for k, v in values.items() if k in names}))
         return out, q_pe_out, k_pe_out
 

@@ -105,6 +105,7 @@ def print_formats(rows: list) -> None:
              and r["w_dtype"] != "bf16"]
     if not quant:
         return
+    # fp8_act: rows of JSONs from before 0.3.0, which had the FP8-activation variant
     formats = [w for w in ("fp8", "fp8_act", "mxfp4") if any(r["w_dtype"] == w for r in quant)]
     names = {"fp8": "FP8 W", "fp8_act": "FP8 W, FP8 act", "mxfp4": "MXFP4 W"}
     print("\nFused kernel by weight format, µs per layer (x the bf16-weight time):\n")
