@@ -17,7 +17,7 @@ Usage (on a GPU)::
     python benchmarks/bench_prologue.py --out results.json          # = --all: the final table
     python benchmarks/bench_prologue.py --rows --heads 128 --batches 1 64   # a subset
     python benchmarks/bench_prologue.py --sweep [--sweep-batches 1 8 64 512] [--sweep-formats bf16]
-        [--sweep-max 50]                     # edit prologue_sweep.sweep_space first
+        [--sweep-max 50]                     # grid: prologue_sweep.sweep_space
     python benchmarks/bench_prologue.py [modes...] --plan   # rows/compiles/configs, no GPU needed
     TRITON_INTERPRET=1 python benchmarks/bench_prologue.py --smoke --out /tmp/smoke.json  # CPU
 
@@ -62,7 +62,8 @@ launch), ``fused_two_launches`` (decode tokens, then prefill tokens), ``engine_4
 ``unfused_compiled``, ``reference_eager``.
 
 ``--sweep``: times :func:`prologue_sweep.sweep_space`'s tile configs per (H, B, weight format),
-each checked first; rows in ``"sweep"``; prints the best config per shape as a dict literal.
+the shipped config first (``shipped: true``), each checked first; rows in ``"sweep"``; prints
+the best config per shape as a dict literal. PDL is off, as in every row but the chains.
 
 Output: tables (µs per layer, GB/s of each row's ``min_bytes``, % of the device-to-device copy
 bandwidth measured first) and JSON ``{"header", "rows", "sweep", "sweep_skipped", "failures",
@@ -254,8 +255,10 @@ def sweep_rows(b: Bench, a) -> None:
         if aborted:
             break
         layers = b.inputs(B, H, torch.bfloat16, seed=5000 + H + B)
-        small = B <= getattr(configs, "SMALL_BATCH", 8)  # the launcher's batch bucket
-        base_cfg = configs.launch_config(H, P, R, L, b.backend, small)
+        bucket = configs.batch_bucket(B)  # the config the launcher itself would pick
+        base_cfg = configs.launch_config(H, P, R, L, b.backend, bucket == "small",
+                                         large=bucket == "large",
+                                         w_format="plain" if fmt == "bf16" else fmt)
         space = sweep_space(H, B, fmt)
         if b.smoke:
             space = smoke_subset(space, b.dims)
@@ -286,7 +289,7 @@ def sweep_rows(b: Bench, a) -> None:
                     break
                 continue
             rec = dict(H=H, B=B, w_dtype=fmt, kv_dtype="bf16", config=cfg, us=round(us, 3),
-                       correct=True)
+                       correct=True, shipped=not override)
             b.sweep.append(rec)
             if best is None or us < best["us"]:
                 best = rec

@@ -16,9 +16,10 @@
 * Floors: :func:`empty_launch` (one program that stores one int) and :func:`weight_read` (reads
   a whole ``W_UK_T`` with enough programs to fill the GPU, one fp32 partial sum per program).
 
-The Triton kernels here share no code with the kernel under test (fusemla's helpers are not
-imported): a peer must not inherit the subject's bugs. Under ``TRITON_INTERPRET=1`` they round
-their bf16 stores themselves (the interpreter's fp32 -> bf16 cast truncates).
+The Triton kernels here share only the exact-rounding helpers of
+:mod:`fusemla.ops.triton_helpers` with the kernel under test (``cast_rne`` for bf16 stores under
+the interpreter, whose cast truncates; ``round_to_fp8_grid`` for FP8 cache bytes); every row,
+peers included, is checked against the pure-PyTorch reference, so a bug there fails both.
 """
 
 from __future__ import annotations
@@ -29,45 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e4m3fnuz: 2}
+from fusemla.dtypes import fp8_code
+from fusemla.ops.triton_helpers import cast_rne, round_to_fp8_grid
+
 #: heads per rotary program
 ROTARY_BLOCK_H = 16
-
-
-# ------------------------------------------------------------------------------- jit helpers
-
-
-@triton.jit
-def _rne_bf16(x, FIX_BF16: tl.constexpr):
-    """fp32 ``x`` rounded onto the bf16 grid (ties to even) when the backend's cast truncates."""
-    if FIX_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x
-
-
-@triton.jit
-def _fp8_grid(x, CODE: tl.constexpr):
-    """fp32 ``x`` saturated and rounded onto the e4m3 grid (ties to even), still fp32, so the
-    following cast is exact (Triton's own downcast loses the carry under the interpreter)."""
-    if CODE == 1:
-        FMAX: tl.constexpr = 448.0
-        MIN_EXP: tl.constexpr = -6
-    else:
-        FMAX: tl.constexpr = 240.0
-        MIN_EXP: tl.constexpr = -7
-    a = tl.minimum(tl.abs(x), FMAX)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)
-    quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    inv_quantum = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)
-    r = ((a * inv_quantum) + 8388608.0) - 8388608.0
-    y = r * quantum
-    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
-    if CODE != 1:
-        sign = tl.where(y > 0, sign, 0)  # e4m3fnuz has no -0
-    y = (y.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, y)
 
 
 # ------------------------------------------------------------------------------- rotary
@@ -105,14 +72,14 @@ def rotary_kernel(p_pos, s_pos, p_cos, s_cos, p_sin, s_sin, max_pos,
     ob = b * c[None, :] + a * s[None, :]
     dst = p_qo + t * s_qo_t + h[:, None].to(tl.int64) * s_qo_h
     ty = p_qo.dtype.element_ty
-    tl.store(dst + ia[None, :], _rne_bf16(oa, FIX_BF16).to(ty), mask=m)
-    tl.store(dst + ib[None, :], _rne_bf16(ob, FIX_BF16).to(ty), mask=m)
+    tl.store(dst + ia[None, :], cast_rne(oa, ty, FIX_BF16), mask=m)
+    tl.store(dst + ib[None, :], cast_rne(ob, ty, FIX_BF16), mask=m)
     if j == 0:
         ka = tl.load(p_k + t * s_k_t + ia, mask=mi, other=0.0).to(tl.float32)
         kb = tl.load(p_k + t * s_k_t + ib, mask=mi, other=0.0).to(tl.float32)
         kty = p_ko.dtype.element_ty
-        tl.store(p_ko + t * s_ko_t + ia, _rne_bf16(ka * c - kb * s, FIX_BF16).to(kty), mask=mi)
-        tl.store(p_ko + t * s_ko_t + ib, _rne_bf16(kb * c + ka * s, FIX_BF16).to(kty), mask=mi)
+        tl.store(p_ko + t * s_ko_t + ia, cast_rne(ka * c - kb * s, kty, FIX_BF16), mask=mi)
+        tl.store(p_ko + t * s_ko_t + ib, cast_rne(kb * c + ka * s, kty, FIX_BF16), mask=mi)
 
 
 def _interpreting() -> bool:
@@ -172,8 +139,8 @@ def cache_write_kernel(p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_slot, s_slot, p_cache, 
     ty = p_cache.dtype.element_ty
     if KV_FP8 != 0:
         scale = tl.load(p_scale).to(tl.float32)
-        x = _fp8_grid(tl.math.div_rn(x.to(tl.float32), scale), KV_FP8)
-        k = _fp8_grid(tl.math.div_rn(k.to(tl.float32), scale), KV_FP8)
+        x = round_to_fp8_grid(tl.math.div_rn(x.to(tl.float32), scale), KV_FP8)
+        k = round_to_fp8_grid(tl.math.div_rn(k.to(tl.float32), scale), KV_FP8)
     tl.store(row + ol, x.to(ty), mask=ml)
     tl.store(row + L + orr, k.to(ty), mask=mr)
 
@@ -188,7 +155,7 @@ def cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=None) -> None:
         return
     k_pe = k_pe.reshape(N, -1)
     R = k_pe.shape[1]
-    code = FP8_CODES.get(kv_cache.dtype, 0)
+    code = fp8_code(kv_cache.dtype)
     if code and not isinstance(kv_scale, torch.Tensor):
         kv_scale = torch.full((1,), float(kv_scale), dtype=torch.float32,
                               device=kv_cache.device)

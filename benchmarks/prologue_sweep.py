@@ -1,7 +1,8 @@
 """The fused kernel's tile-config sweep of bench_prologue.py (``--sweep``).
 
-:func:`sweep_space` is the grid, a placeholder to edit: a list of override dicts applied on top
-of :func:`fusemla.ops.prologue.configs.launch_config` for the shape. Every config is checked
+:func:`sweep_space` is the grid: a list of override dicts applied on top of the config the
+launcher itself would pick for the shape (:func:`fusemla.ops.prologue.configs.launch_config`
+with its batch bucket and weight format), the shipped config first. Every config is checked
 against the reference (q and every cache byte, after NaN-poisoning) on the captured graph before
 it is timed; a wrong one goes to ``failures`` (a kernel bug), one whose launch raises (out of
 shared memory, registers...) to ``sweep_skipped``. :func:`best_configs_literal` prints the winners
@@ -12,21 +13,38 @@ from __future__ import annotations
 
 import itertools
 
+from fusemla.ops.prologue.configs import SMALL_BATCH
+
 #: the config keys of the kernel (``fusemla.ops.prologue.configs``)
 CONFIG_KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
                "num_warps", "num_stages", "programs_per_sm")
 
 
+#: large-batch BMM tiles (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm): the best
+#: of the first (broad) H200 sweep, crossed with RoPE/cache tiles below
+LARGE_BMM = ((128, 64, 8, 2, 1), (128, 64, 8, 2, 2), (128, 128, 8, 3, 1), (128, 64, 4, 3, 2),
+             (256, 64, 8, 2, 2), (256, 128, 8, 2, 1), (128, 64, 4, 2, 2), (128, 64, 8, 3, 1))
+
+
 def sweep_space(H: int, B: int, w_format: str) -> list[dict]:
     """Override dicts to time for ``H`` heads, ``B`` decode tokens, weight format ``w_format``
-    ("bf16", "fp8" or "mxfp4"). PLACEHOLDER grid (648 configs; edit before a GPU run):
-    BLOCK_L x BLOCK_T x num_warps x num_stages x programs_per_sm x ROPE_ROWS x CACHE_ROWS."""
-    del H, B, w_format  # the placeholder is the same for every shape
-    grid = itertools.product((64, 128, 256), (16, 32, 64), (4, 8), (2, 3, 4), (0, 1, 2),
-                             (64, 256), (1, 4))
-    return [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps,
-                 ROPE_ROWS=rr, CACHE_ROWS=cr)
-            for bl, bt, nw, ns, pps, rr, cr in grid]
+    ("bf16", "fp8" or "mxfp4"): first ``{}`` (the shipped config itself), then the grids of the
+    H200 sweeps the shipped tiles came from (``benchmarks/results/h200_explore_v2_phase*.json``):
+    for B <= SMALL_BATCH, BLOCK_L x num_warps x (one program per item | persistent,
+    pipelined); above, the best large-batch BMM tiles x RoPE/cache tiles."""
+    del H, w_format  # one grid for every head count and format
+    if B <= SMALL_BATCH:
+        grid = [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns)
+                for bl, nw, (pps, ns) in itertools.product(
+                    (64, 128, 256), (4, 8), ((0, 2), (2, 3)))]
+    else:
+        tiles = [(t, 64, 4) for t in LARGE_BMM]
+        tiles += [(t, rr, cr) for rr, cr in ((32, 4), (128, 4), (64, 8), (128, 8))
+                  for t in LARGE_BMM[:3]]
+        grid = [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps,
+                     ROPE_ROWS=rr, CACHE_ROWS=cr)
+                for (bl, bt, nw, ns, pps), rr, cr in tiles]
+    return [{}] + grid
 
 
 def smoke_subset(space: list[dict], dims: dict, n: int = 3) -> list[dict]:

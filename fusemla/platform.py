@@ -328,10 +328,10 @@ def mxfp4_tiles_fit(P: int, L: int, block_l: int) -> bool:
     return P >= 32 and P & (P - 1) == 0 and L % block_l == 0
 
 
-def choose_prologue_variant(info: PlatformInfo, *, weight_format: str, num_tokens: int,
+def choose_prologue_variant(info: PlatformInfo, *, weight_format: str,
                             P: int | None = None, L: int | None = None,
                             block_l: int | None = None) -> PrologueVariant:
-    """The prologue kernel variant for ``info``, a weight format and a batch.
+    """The prologue kernel variant for ``info`` and a weight format (the same for any batch).
 
     Plain and FP8 weights have one variant each (FP8 weights are upcast to the activations'
     dtype in registers). MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles (``P``,
@@ -446,7 +446,7 @@ def report_lines(info: PlatformInfo) -> list[str]:
     ]
     dims = dict(P=128, L=512, block_l=128)  # DeepSeek-V3
     try:
-        path = choose_prologue_variant(info, weight_format="mxfp4", num_tokens=1,
+        path = choose_prologue_variant(info, weight_format="mxfp4",
                                        **dims).mxfp4_path
     except FuseMLAValueError as exc:
         path = f"error: {exc}"

@@ -425,16 +425,15 @@ def test_import_does_not_import_triton():
 
 
 def test_prologue_variant_plain_and_fp8():
-    v = choose_prologue_variant(H200(), weight_format="plain", num_tokens=64)
+    v = choose_prologue_variant(H200(), weight_format="plain")
     assert (v.weight_format, v.mxfp4_path) == ("plain", None)
     assert v.kernel_flags == (0, False)
-    # FP8 weights have one variant (upcast in registers), whatever the chip or the batch
+    # FP8 weights have one variant (upcast in registers), whatever the chip
     for info in (H200(), platform_from("cuda", "sm_80"), platform_from("rocm", "gfx942")):
-        for n in (1, 512):
-            v = choose_prologue_variant(info, weight_format="fp8", num_tokens=n)
-            assert (v.weight_format, v.mxfp4_path, v.kernel_flags) == ("fp8", None, (1, False))
+        v = choose_prologue_variant(info, weight_format="fp8")
+        assert (v.weight_format, v.mxfp4_path, v.kernel_flags) == ("fp8", None, (1, False))
     with pytest.raises(FuseMLAValueError, match="weight_format"):
-        choose_prologue_variant(H200(), weight_format="int4", num_tokens=1)
+        choose_prologue_variant(H200(), weight_format="int4")
 
 
 @pytest.mark.parametrize("P,L,block_l,fits", [(128, 512, 128, True), (128, 512, 256, True),
@@ -448,20 +447,20 @@ def test_prologue_variant_mxfp4(monkeypatch):
     sm100 = platform_from("cuda", "sm_100")
     monkeypatch.delenv("FUSEMLA_MXFP4_PATH", raising=False)
     dims = dict(P=128, L=512, block_l=128)
-    assert choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1,
+    assert choose_prologue_variant(sm100, weight_format="mxfp4",
                                    **dims).kernel_flags == (2, True)
-    assert choose_prologue_variant(H200(), weight_format="mxfp4", num_tokens=1,
+    assert choose_prologue_variant(H200(), weight_format="mxfp4",
                                    **dims).mxfp4_path == "dequant"
     # auto on a native-FP4 chip with tiles tl.dot_scaled cannot take: dequant, by design
     odd = dict(P=96, L=512, block_l=128)
-    assert choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1,
+    assert choose_prologue_variant(sm100, weight_format="mxfp4",
                                    **odd).mxfp4_path == "dequant"
     # forced: raises instead of downgrading silently
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "dot_scaled")
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled.*P=96"):
-        choose_prologue_variant(sm100, weight_format="mxfp4", num_tokens=1, **odd)
+        choose_prologue_variant(sm100, weight_format="mxfp4", **odd)
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled"):
-        choose_prologue_variant(H200(), weight_format="mxfp4", num_tokens=1, **dims)
+        choose_prologue_variant(H200(), weight_format="mxfp4", **dims)
 
 
 def test_report_shows_the_layer_flags(monkeypatch):

@@ -356,7 +356,7 @@ def test_forced_dot_scaled_that_cannot_run_raises(device, monkeypatch):
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled.*P=96"):
         inp.run(mla_prologue, w_uk_t=qw)
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "auto")
-    v = platform.choose_prologue_variant(info, weight_format="mxfp4", num_tokens=3, P=96, L=64,
+    v = platform.choose_prologue_variant(info, weight_format="mxfp4", P=96, L=64,
                                          block_l=32)
     assert v.mxfp4_path == "dequant"
 

@@ -29,6 +29,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from fusemla import config
 from fusemla.config import FUSED_DECODE_ENV, FUSED_PREFILL_ENV, MLAConfig
+from fusemla.demo_layer import layer_config, random_weights
 from fusemla.layers import MLAAttention
 from fusemla.metadata import BlockAllocator, RequestStep, build_metadata
 from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
@@ -148,29 +149,15 @@ def test_compiled_decode_prologue_compiles_once(device, which):
 
 # ----------------------------------------------------------------------------- the layer
 
-LAYER_DIMS = {"hidden": 64, "H": 4, "P": 32, "R": 16, "L": 64, "V": 32, "q_lora": 48,
-              "max_pos": 512}
+#: the demo's small DeepSeek-V3-style attention config (4 heads, L=64, YaRN RoPE)
+LAYER_CFG = layer_config("cpu")
 
 
 def _layer(device, seed, fused: bool) -> MLAAttention:
-    d = LAYER_DIMS
     g = torch.Generator().manual_seed(seed)
-    H, P, R, L, V, hid = d["H"], d["P"], d["R"], d["L"], d["V"], d["hidden"]
-
-    def w(n_out, n_in):
-        return torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
-
-    sd = {"kv_a_proj_with_mqa.weight": w(L + R, hid),
-          "kv_a_layernorm.weight": 1 + 0.1 * torch.randn(L, generator=g),
-          "kv_b_proj.weight": w(H * (P + V), L), "o_proj.weight": w(hid, H * V),
-          "q_a_proj.weight": w(d["q_lora"], hid),
-          "q_a_layernorm.weight": 1 + 0.1 * torch.randn(d["q_lora"], generator=g),
-          "q_b_proj.weight": w(H * (P + R), d["q_lora"])}
-    hf = {"hidden_size": hid, "num_attention_heads": H, "q_lora_rank": d["q_lora"],
-          "kv_lora_rank": L, "qk_nope_head_dim": P, "qk_rope_head_dim": R, "v_head_dim": V,
-          "max_position_embeddings": d["max_pos"], "rope_interleave": True,
-          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    return MLAAttention.from_state_dict(sd, hf, config=MLAConfig(fused, fused), device=device)
+    sd = random_weights(LAYER_CFG, g, torch.float32, "cpu")
+    return MLAAttention.from_state_dict(sd, LAYER_CFG, config=MLAConfig(fused, fused),
+                                        device=device)
 
 
 @pytest.mark.parametrize("entry", ["forward_latent", "forward"])
@@ -218,9 +205,11 @@ def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches
             for r in names[:n - 1]:
                 ctx[r] += 1
             if entry == "forward_latent":
-                d = LAYER_DIMS
-                args = (torch.randn(n, d["H"], d["P"] + d["R"], generator=g),
-                        torch.randn(n, d["L"], generator=g), torch.randn(n, d["R"], generator=g))
+                c = LAYER_CFG
+                H, P = c["num_attention_heads"], c["qk_nope_head_dim"]
+                L, R = c["kv_lora_rank"], c["qk_rope_head_dim"]
+                args = (torch.randn(n, H, P + R, generator=g),
+                        torch.randn(n, L, generator=g), torch.randn(n, R, generator=g))
                 args = tuple(a.to(device, torch.bfloat16) for a in args)
             else:
                 args = (torch.randn(n, layer.hidden_size, generator=g).to(device, torch.bfloat16),)

@@ -33,9 +33,10 @@ _KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "C
 _overrides: dict[str, Any] = {}
 
 # (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm, ROPE_ROWS, CACHE_ROWS): the best of
-# sweeps on an H200 at DeepSeek-V3 dims (benchmarks/explore_v2.py, every config checked against
-# the reference first; benchmarks/results/h200_explore_v2_phase*.json). Phases 1-2 ran with PDL
-# on; phase 3 (B <= 8, PDL off) put these bf16 small-batch tiles within 0.3 us of its best.
+# sweeps on an H200 at DeepSeek-V3 dims, every config checked against the reference first
+# (benchmarks/results/h200_explore_v2_phase*.json, from a one-off script since folded into
+# `bench_prologue.py --sweep`, whose grid is the phase-2/3 one). Phases 1-2 ran with PDL on;
+# phase 3 (B <= 8, PDL off) put these bf16 small-batch tiles within 0.3 us of its best.
 _CUDA_TILES = {
     # (heads <= 32, bucket, weight format or None for any)
     (True, "small", None): (128, 16, 4, 3, 2.0, 64, 1),

@@ -43,8 +43,7 @@ def variant_for(args: PrologueArgs, cfg: dict,
     :func:`fusemla.platform.choose_prologue_variant`)."""
     return platform.choose_prologue_variant(
         info or platform.detect(args.q_nope.device), weight_format=weight_format(args.w_uk_t),
-        num_tokens=args.D, P=args.P, L=args.L,
-        block_l=cfg["BLOCK_L"])
+        P=args.P, L=args.L, block_l=cfg["BLOCK_L"])
 
 
 def _check_formats(args: PrologueArgs, backend: str) -> None:
@@ -78,8 +77,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     n_rope_p = triton.cdiv((N - D) * H, cfg["ROPE_ROWS"])
     n_cache = triton.cdiv(N, cfg["CACHE_ROWS"])
 
-    flags = variant_for(args, cfg, info).kernel_flags
-    w_fmt, mx_native = flags[0], flags[-1]
+    w_fmt, mx_native = variant_for(args, cfg, info).kernel_flags
     w = args.w_uk_t
     if w_fmt == 0:
         w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
