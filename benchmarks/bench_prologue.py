@@ -1,6 +1,6 @@
 """Benchmark the MLA decode prologue: the fused kernel against what an engine runs instead.
 
-Method (KNOWLEDGE.md §5): every implementation runs 8 layers inside one CUDA graph, each layer
+Method (docs/method.md): every implementation runs 8 layers inside one CUDA graph, each layer
 with its own weights, activations, outputs and cache, so W_UK (16 MiB per layer at H=128) is not
 L2-resident; the graph is replayed (``triton.testing.do_bench``, median) and the time divided by
 8. PDL is off (``FUSEMLA_PDL=off``) except in the chain rows that measure it.

@@ -1,6 +1,6 @@
 """Shared by the benchmark scripts: the commit id for the JSON header, and timing.
 
-:func:`time_graph` is the method of every GPU number (KNOWLEDGE.md §5): all calls captured in one
+:func:`time_graph` is the method of every GPU number (docs/method.md): all calls captured in one
 CUDA graph, the graph replayed by ``triton.testing.do_bench`` (median), the time divided by the
 number of calls. :func:`time_eager` is the CPU stand-in of ``--smoke`` runs (one timed eager pass;
 the number says nothing about speed). Both take an optional ``check(replay)`` that runs after

@@ -1,7 +1,7 @@
 """fusemla: fused Triton kernels and an engine-ready layer for DeepSeek-style Multi-Head Latent
 Attention.
 
-Layout (arrows point one way: layers -> ops -> Triton helpers; integrations -> layers):
+Layout (arrows point one way: layers -> ops -> Triton helpers; integrations -> ops):
 ``fusemla.ops`` (Triton kernels, custom ops), ``fusemla.reference`` (plain PyTorch),
 ``fusemla.layers`` (:class:`MLAAttention`), ``fusemla.metadata`` (per-step batch metadata),
 ``fusemla.integrations`` (engines, imported lazily), ``fusemla.testing`` (inputs, comparison).

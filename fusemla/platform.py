@@ -233,7 +233,7 @@ def detect(device: torch.device | str | int | None = None) -> PlatformInfo:
     """The :class:`PlatformInfo` of ``device`` (default: the current GPU, or the CPU without one).
 
     * ``TRITON_INTERPRET=1`` -> "interpreter" for any device (the kernels are then interpreted
-      even on GPU tensors, as in :mod:`fusemla.ops.decode_prologue`);
+      even on GPU tensors: :func:`fusemla.mla_prologue` then runs in the interpreter);
     * a CPU device, or ``None`` without a GPU -> "cpu" (the PyTorch fallback);
     * a GPU on a ROCm build (``torch.version.hip`` set) -> "rocm", arch from ``gcnArchName``;
     * a GPU otherwise -> "cuda", arch ``sm_<major><minor>`` from the compute capability.

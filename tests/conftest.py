@@ -44,3 +44,4 @@ def device(pytestconfig) -> str:
 @pytest.fixture(scope="session")
 def on_gpu(device) -> bool:
     return device == "cuda"
+

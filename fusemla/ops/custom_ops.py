@@ -1,4 +1,7 @@
-"""Every ``torch.library`` registration of fusemla, each with its fake, in one place.
+"""The ``torch.library`` registration of fusemla's kernels (``fusemla::mla_prologue``) and its fake.
+
+The vLLM plugin registers one op of its own, ``fusemla::vllm_mla_attention``, in
+:mod:`fusemla.integrations.vllm` (it exists only where vLLM runs).
 
 ``torch.compile`` and CUDA graphs see each op as one opaque call that mutates its outputs and
 the KV cache. The public functions (:func:`fusemla.mla_prologue`) validate their arguments

@@ -22,8 +22,13 @@ def _clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_names():
-    assert ENV == ("FUSEMLA_FUSED_DECODE", "FUSEMLA_FUSED_PREFILL")
+@pytest.mark.parametrize("literal, which", [("FUSEMLA_FUSED_DECODE", 0),
+                                             ("FUSEMLA_FUSED_PREFILL", 1)])
+def test_documented_names_are_the_ones_read(monkeypatch, literal, which):
+    # the names the README documents, set literally, are what the flags read
+    monkeypatch.setenv(literal, "0")
+    got = MLAConfig().resolve()
+    assert got[which] is False and got[1 - which] is True
     assert fusemla.MLAConfig is MLAConfig
 
 

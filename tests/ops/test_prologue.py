@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusemla import config
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.ops.prologue import configs, launch
 from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
@@ -26,6 +25,7 @@ from fusemla.testing import (
     run_and_compare,
     stable_seed,
 )
+from fusemla.testing.spy import recorded_launch_plans
 
 FP8 = torch.float8_e4m3fn
 
@@ -371,17 +371,18 @@ def test_forced_tiling(device, cfg):
     inp = make_inputs(50, **_dims(device, 3), num_decode_tokens=45, kv_dtype=FP8,
                       device=device, generator=_gen("tiling", sorted(cfg.items())),
                       pad_fraction=0.1)
-    L = inp.kv_c.shape[1]
-    with configs.override(**cfg):
-        c = configs.launch_config(3, inp.q_nope.shape[2], inp.q_pe.shape[2], L,
-                                  launch.backend_of(inp.q_nope.device))
-        num_sms = 1 if config.interpreting() else launch._num_sms(inp.q_nope.device.index or 0)
-        items, n_bmm = configs.bmm_items(45, 3, L, c), configs.bmm_programs(45, 3, L, c, num_sms)
-        if cfg.get("programs_per_sm"):
-            assert 1 <= n_bmm < items  # programs loop over several items
-        elif cfg.get("programs_per_sm") == 0:
-            assert n_bmm == items
+    with configs.override(**cfg), recorded_launch_plans() as plans:
         run_and_compare(mla_prologue, inp).assert_ok()
+    # what the launcher ran: the forced tiles, and the program counts they imply
+    assert len(plans) == 1, plans
+    p = plans[0]
+    assert {k: p.cfg[k] for k in cfg} == cfg
+    if cfg.get("programs_per_sm"):
+        assert 1 <= p.n_bmm < p.bmm_items  # programs loop over several items
+    elif cfg.get("programs_per_sm") == 0:
+        assert p.n_bmm == p.bmm_items
+    if "BLOCK_L" in cfg:
+        assert p.l_tiles >= 2 and p.lc_passes >= 2
 
 
 @pytest.mark.gpu

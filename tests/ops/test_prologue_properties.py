@@ -48,6 +48,7 @@ from fusemla.testing import (
     poisoned,
     stable_seed,
 )
+from fusemla.testing.spy import recorded_launch_plans
 
 BF16, FP16 = torch.bfloat16, torch.float16
 E4M3, E4M3UZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -331,9 +332,13 @@ def build(case: Case, device: str):
     return fused, pristine, kw, watch
 
 
-def check_case(case: Case, device: str) -> None:
-    if device == "cpu" and currently_in_test_context():  # --hypothesis-show-statistics
-        t = _tiles(case)
+def check_case(case: Case, device: str) -> list:
+    """Run ``case`` through the kernel and the reference and compare; returns the launch plans
+    the launcher ran (one per kernel launch)."""
+    with recorded_launch_plans() as plans:
+        _check_case(case, device)
+    if plans and device == "cpu" and currently_in_test_context():  # --hypothesis-show-statistics
+        t = _tiles(plans)
         D = case.N if case.D is None else case.D
         per = t["items"] // max(t["programs"], 1)
         event(f"BMM items per program: {min(per, 3) if D else 0}{'+' * (per >= 3)}")
@@ -350,6 +355,10 @@ def check_case(case: Case, device: str) -> None:
                 else "mixed"
             )
         )
+    return plans
+
+
+def _check_case(case: Case, device: str) -> None:
     fused, pristine, kw, watch = build(case, device)
     cache_before = fused.kv_cache.clone()
     cache_ref = cache_before.clone()
@@ -625,22 +634,13 @@ def test_layouts_and_output_buffers(device, case):
 # ---------------------------------------------------------------------------------------------
 
 
-def _tiles(case: Case) -> dict:
-    """What the launcher will do for ``case``: BMM work items and programs, L-tiles, passes."""
-    D = case.N if case.D is None else case.D
-    base = dict(
-        configs._base_config(
-            case.H, case.P, case.R, case.L, "interpreter", D <= configs.SMALL_BATCH
-        )
-    )
-    cfg = dict(base, **dict(case.cfg))
-    return {
-        "items": configs.bmm_items(D, case.H, case.L, cfg),
-        "programs": configs.bmm_programs(D, case.H, case.L, cfg, 1),
-        "l_tiles": -(-case.L // cfg["BLOCK_L"]),
-        "lc_passes": -(-case.L // cfg["BLOCK_LC"]),
-        "rope_tiles": -(-(D * case.H) // cfg["ROPE_ROWS"]),
-    }
+def _tiles(plans: list) -> dict:
+    """What the launcher ran (the one launch recorded while the case ran): BMM work items and
+    programs, L-tiles, cache-loop passes, decode RoPE tiles."""
+    assert len(plans) == 1, plans
+    p = plans[0]
+    return {"items": p.bmm_items, "programs": p.n_bmm, "l_tiles": p.l_tiles,
+            "lc_passes": p.lc_passes, "rope_tiles": p.n_rope_d}
 
 
 def test_persistent_programs_walk_their_own_items(device):
@@ -658,10 +658,9 @@ def test_persistent_programs_walk_their_own_items(device):
         outputs="given",
         cfg=(("BLOCK_T", 16), ("BLOCK_L", 32), ("programs_per_sm", 3.0)),
     )
+    t = _tiles(check_case(case, device))
     if device == "cpu":
-        t = _tiles(case)
         assert t["items"] == 16 and t["programs"] == 3, t
-    check_case(case, device)
 
 
 def test_program_per_item_with_prefill_tail(device):
@@ -677,10 +676,8 @@ def test_program_per_item_with_prefill_tail(device):
         L=48,
         cfg=(("BLOCK_T", 16), ("programs_per_sm", 0.0), ("CACHE_ROWS", 4)),
     )
-    if device == "cpu":
-        t = _tiles(case)
-        assert t["programs"] == t["items"] == 3 * t["l_tiles"] * 5, t
-    check_case(case, device)
+    t = _tiles(check_case(case, device))
+    assert t["programs"] == t["items"] == 3 * t["l_tiles"] * 5, t
 
 
 @pytest.mark.parametrize("L,block_l", [(64, 16), (48, 32), (48, 16)])
@@ -698,10 +695,8 @@ def test_l_tiles_cover_the_whole_latent(device, L, block_l):
         outputs="given",
         cfg=(("BLOCK_L", block_l), ("BLOCK_LC", 16)),
     )
-    if device == "cpu":
-        t = _tiles(case)
-        assert t["l_tiles"] >= 2 and t["lc_passes"] >= 3, t
-    check_case(case, device)
+    t = _tiles(check_case(case, device))
+    assert t["l_tiles"] >= 2 and t["lc_passes"] >= 3, t
 
 
 def test_default_interpreter_config_tiles(device):
@@ -719,8 +714,8 @@ def test_default_interpreter_config_tiles(device):
         pad="random",
         outputs="given",
     )
+    t = _tiles(check_case(case, device))
     if device == "cpu":
-        t = _tiles(case)
         assert t == {
             "items": 24,
             "programs": 3,
@@ -728,4 +723,3 @@ def test_default_interpreter_config_tiles(device):
             "lc_passes": 2,
             "rope_tiles": 9,
         }, t
-    check_case(case, device)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -59,6 +60,42 @@ def _check_formats(args: PrologueArgs, backend: str) -> None:
                 f"GPUs cannot store it: use torch.float8_e4m3fn, got {describe(t)}")
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one launch runs: the tile config and the program counts of each phase of the flat
+    grid (BMM programs, decode RoPE, prefill RoPE, cache programs)."""
+
+    cfg: dict
+    bmm_items: int  # (head, L-tile, token-tile) work items
+    n_bmm: int  # BMM programs (fewer than items when persistent)
+    l_tiles: int  # BLOCK_L tiles across the latent (per head)
+    lc_passes: int  # BLOCK_LC passes of a cache program across the latent
+    n_rope_d: int
+    n_rope_p: int
+    n_cache: int
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (self.n_bmm + self.n_rope_d + self.n_rope_p + self.n_cache,)
+
+
+def plan(args: PrologueArgs, backend: str, cfg: dict | None = None) -> LaunchPlan:
+    """The :class:`LaunchPlan` :func:`launch` runs for ``args`` (``cfg`` overrides the tiles)."""
+    N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
+    if cfg is None:
+        bucket = configs.batch_bucket(D)
+        cfg = configs.launch_config(H, P, R, L, backend, bucket == "small",
+                                    large=bucket == "large", w_format=weight_format(args.w_uk_t))
+    num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
+    return LaunchPlan(cfg=cfg, bmm_items=configs.bmm_items(D, H, L, cfg),
+                      n_bmm=configs.bmm_programs(D, H, L, cfg, num_sms),
+                      l_tiles=triton.cdiv(L, cfg["BLOCK_L"]),
+                      lc_passes=triton.cdiv(L, cfg["BLOCK_LC"]),
+                      n_rope_d=triton.cdiv(D * H, cfg["ROPE_ROWS"]),
+                      n_rope_p=triton.cdiv((N - D) * H, cfg["ROPE_ROWS"]),
+                      n_cache=triton.cdiv(N, cfg["CACHE_ROWS"]))
+
+
 def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     """Launch the kernel on validated arguments, writing the outputs and the cache."""
     N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
@@ -67,15 +104,9 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     info = platform.detect(args.q_nope.device)  # once per launch
     backend = backend_of(args.q_nope.device, info)
     _check_formats(args, backend)
-    if cfg is None:
-        bucket = configs.batch_bucket(D)
-        cfg = configs.launch_config(H, P, R, L, backend, bucket == "small",
-                                    large=bucket == "large", w_format=weight_format(args.w_uk_t))
-    num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
-    n_bmm = configs.bmm_programs(D, H, L, cfg, num_sms)
-    n_rope_d = triton.cdiv(D * H, cfg["ROPE_ROWS"])
-    n_rope_p = triton.cdiv((N - D) * H, cfg["ROPE_ROWS"])
-    n_cache = triton.cdiv(N, cfg["CACHE_ROWS"])
+    pl = plan(args, backend, cfg)
+    cfg = pl.cfg
+    n_bmm, n_rope_d, n_rope_p = pl.n_bmm, pl.n_rope_d, pl.n_rope_p
 
     w_fmt, mx_native = variant_for(args, cfg, info).kernel_flags
     w = args.w_uk_t
@@ -92,8 +123,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     launch_opts = {"launch_pdl": True} if pdl else {}
     qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
-    grid = (n_bmm + n_rope_d + n_rope_p + n_cache,)
-    mla_prologue_kernel[grid](
+    mla_prologue_kernel[pl.grid](
         p_qn=qn, s_qn_t=qn.stride(0), s_qn_h=qn.stride(1),
         p_qp=qp, s_qp_t=qp.stride(0), s_qp_h=qp.stride(1),
         p_kvc=kvc, s_kvc_t=kvc.stride(0),
