@@ -11,8 +11,17 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) or not (TP=2). It
 - records each MLA layer's output per step (forward hooks; eager mode only);
 - zeroes the KV caches before the run and dumps them after it;
 - can inject the bugs the tests must catch: ``double_rope`` (the prologue's inputs are rotated
-  before the kernel rotates them again) and ``double_write`` (vLLM's own cache write also runs
-  for the tokens fusemla writes).
+  before the kernel rotates them again), ``double_write`` (vLLM's own cache write also runs
+  for the tokens fusemla writes) and ``rope_off_by_one`` (decode tokens rotated by position + 1);
+- can perturb vLLM's own path by rounding-sized noise, ``noise:EPS`` (every value vLLM writes to
+  the KV cache multiplied by ``1 + EPS * u``, ``u`` uniform in [-1, 1], before any FP8
+  quantization), which measures the deviation legitimate rounding differences cause;
+- counts GPU kernels by name with the torch profiler (``fusemla_profile``), which sees the
+  kernels that CUDA-graph replays run too, where no Python code runs.
+
+Host-side logs (writes, launches) are taken only outside CUDA-graph capture; instrumentation
+is installed after vLLM built its graphs, so a replayed graph runs none of it (the kernel counts
+cover those steps).
 
 Importing this module imports vLLM only inside the methods.
 """
@@ -45,6 +54,7 @@ def _install(model, inject: str, capture: bool) -> None:
     import fusemla.reference.prologue as ref_mod
     from fusemla.integrations import vllm as plugin
 
+    noise = float(inject.split(":", 1)[1]) if inject.startswith("noise:") else 0.0
     layers = _layer_modules(model)
     by_ptr = {}
     for _, w in layers:
@@ -54,19 +64,25 @@ def _install(model, inject: str, capture: bool) -> None:
 
         def logged(kv_c, k_pe, kv_cache, slot_mapping, *rest, _orig=a.impl.do_kv_cache_update,
                    _name=a.layer_name):
-            _log["writes"].append((_name, "vllm", slot_mapping.detach().cpu().long().numpy().copy()))
+            if not _capturing():
+                _log["writes"].append((_name, "vllm",
+                                       slot_mapping.detach().cpu().long().numpy().copy()))
+            if noise:
+                kv_c, k_pe = _perturbed(kv_c, noise), _perturbed(k_pe, noise)
             return _orig(kv_c, k_pe, kv_cache, slot_mapping, *rest)
 
         a.impl.do_kv_cache_update = logged
 
     def record(args, who):
+        if _capturing():
+            return
         name = by_ptr.get(args.kv_cache.data_ptr(), "?")
         _log["writes"].append((name, who, args.slot_mapping.detach().cpu().long().numpy().copy()))
 
     orig_launch = launch_mod.launch
 
     def counted_launch(args, cfg=None):
-        _log["kernel"] += 1
+        _log["kernel"] += not _capturing()
         record(args, "kernel")
         return orig_launch(args, cfg)
 
@@ -74,7 +90,7 @@ def _install(model, inject: str, capture: bool) -> None:
     orig_ref = ref_mod.prologue_into
 
     def counted_ref(args):
-        _log["reference"] += 1
+        _log["reference"] += not _capturing()
         record(args, "reference")
         return orig_ref(args)
 
@@ -102,7 +118,18 @@ def _install(model, inject: str, capture: bool) -> None:
             return orig_fused(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache)
 
         plugin._LayerState.fused_path = double_write
-    elif inject not in ("", "none"):
+    elif inject == "rope_off_by_one":
+        orig_prologue = plugin._prologue
+
+        def off_by_one(q_nope, q_pe, kv_c, k_pe, w, positions, *a, **kw):
+            d = kw.get("num_decode_tokens")
+            d = positions.shape[0] if d is None else d
+            shifted = positions.clone()
+            shifted[:d] += 1
+            return orig_prologue(q_nope, q_pe, kv_c, k_pe, w, shifted, *a, **kw)
+
+        plugin._prologue = off_by_one
+    elif inject not in ("", "none") and not noise:
         raise ValueError(f"unknown injection {inject!r}")
 
     if capture:
@@ -124,6 +151,25 @@ def _install(model, inject: str, capture: bool) -> None:
             w.register_forward_hook(hook)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _perturbed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * (1 + eps * u)``, u uniform in [-1, 1] (fresh per call, CUDA-graph safe)."""
+    u = torch.rand(x.shape, device=x.device, dtype=torch.float32) * 2 - 1
+    return (x.float() * (1 + eps * u)).to(x.dtype)
+
+
+# kernel-name fragments counted by fusemla_profile (the GPU kernels of the MLA prologue paths)
+KERNEL_KEYS = {
+    "fusemla_prologue": "mla_prologue_kernel",  # fusemla's fused kernel
+    "vllm_cache_write": "concat_and_cache_mla",  # vLLM's KV-cache write
+    "vllm_rotary": "rotary_embedding",  # vLLM's RoPE CUDA kernel (custom-op path)
+}
+_prof: dict = {}
+
+
 class FuseMLATestExtension:
     """Methods added to vLLM's worker (``self`` is the worker)."""
 
@@ -131,6 +177,48 @@ class FuseMLATestExtension:
         model = self.model_runner.model
         _install(model, inject, capture)
         return type(_layer_modules(model)[0][1]).__name__
+
+    def fusemla_backend(self) -> dict:
+        """The attention backend, block size and cache dtype vLLM chose for the MLA layers."""
+        layers = _layer_modules(self.model_runner.model)
+        a = layers[0][1].mla_attn
+        kv = a.kv_cache
+        return {"backend": a.attn_backend.get_name(), "kv_cache_dtype": a.kv_cache_dtype,
+                "block_size": int(kv.shape[1]) if kv.dim() == 3 else None,
+                "cache_shape": list(kv.shape), "layers": len(layers)}
+
+    def fusemla_profile(self, what: str) -> dict | None:
+        """``start``: torch profiler on (CUDA activity); ``stop``: per key of
+        :data:`KERNEL_KEYS` the number of kernels and their GPU time, and the step total."""
+        if what == "start":
+            if not torch.cuda.is_available():
+                return None
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            _prof["p"] = profile(activities=[ProfilerActivity.CUDA])
+            _prof["p"].__enter__()
+            return None
+        p = _prof.pop("p", None)
+        if p is None:
+            return None
+        torch.cuda.synchronize()
+        p.__exit__(None, None, None)
+        counts = {k: 0 for k in KERNEL_KEYS}
+        times = {k: 0.0 for k in KERNEL_KEYS}
+        total_n, total_us = 0, 0.0
+        for e in p.events():
+            if e.device_type.name != "CUDA":
+                continue
+            dur = float(e.time_range.elapsed_us())
+            total_n += 1
+            total_us += dur
+            for k, frag in KERNEL_KEYS.items():
+                if frag in e.name:
+                    counts[k] += 1
+                    times[k] += dur
+        return {"counts": counts, "us": {k: round(v, 2) for k, v in times.items()},
+                "kernels": total_n, "kernel_us": round(total_us, 2)}
 
     def fusemla_collect(self, out_dir: str) -> dict:
         from fusemla.integrations import vllm as plugin

@@ -1,0 +1,310 @@
+"""The decode step in vLLM, plugin on vs off: TPOT and where the GPU time goes.
+
+Method: one engine process per (model, plugin on/off), all started first and kept alive; then,
+model by model, the two engines of a pair measure in alternation (off-on, then on-off, ...)
+while every other engine sits idle: each measurement adds B requests of a ``--prompt``-token
+prompt, steps the engine until every request has its first token (prefill), then times
+``--steps`` engine steps of pure decode (wall clock per step = TPOT, as a user sees it).
+``--repeats`` alternations per batch size; median and min/max reported. Then one profiled
+measurement per engine and batch (torch profiler, CUDA kernels of the same number of decode
+steps, CUDA-graph replays included): GPU time per step by kernel, so a TPOT difference is
+attributed to the kernels that changed (fusemla's prologue vs vLLM's BMM, RoPE, concat and
+cache write) or to the host.
+
+Models: ``engine_run.SHAPES['bench-h16' / 'bench-h128']`` (DeepSeek-V3 attention: hidden 7168,
+q_lora 1536, kv_lora 512, rope 64, nope 128, v 128; 16 or 128 heads; 4 layers; MLP width 1024;
+random weights), bf16, vLLM's default compile and CUDA-graph mode (FULL_AND_PIECEWISE).
+
+    python benchmarks/bench_vllm.py --out results.json          # on a GPU with vLLM
+    python benchmarks/bench_vllm.py --smoke                      # CPU vLLM: the script runs
+
+Run with vLLM installed (on the H200: through the offline bundle, README "Verified").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ENGINE_RUN = ROOT / "tests" / "vllm" / "engine_run.py"
+TAG = "@@BENCH@@ "
+
+# kernel-name fragments -> category (first match wins)
+CATEGORIES = (
+    ("fusemla prologue", ("mla_prologue_kernel",)),
+    ("vllm cache write", ("concat_and_cache_mla",)),
+    ("vllm rope", ("rotary_embedding",)),
+    ("attention", ("flash", "mla", "fmha", "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "bmm", "splitk")),
+    ("triton (inductor)", ("triton_",)),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, frags in CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "other"
+
+
+# ------------------------------------------------------------------------------ worker side
+
+
+def worker(args) -> None:
+    """One engine; reads JSON commands on stdin, answers on stdout lines tagged with TAG."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    batches = json.loads(args.batches)
+    on_gpu = torch.cuda.is_available()
+    kw = dict(model=args.model, skip_tokenizer_init=True, max_model_len=args.max_len,
+              dtype="bfloat16", seed=0, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(8192, max(batches) * args.prompt))
+    if on_gpu:
+        sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(batches)}
+                       | set(batches))
+        kw.update(gpu_memory_utilization=0.2, kv_cache_memory_bytes=4 << 30,
+                  compilation_config={"cudagraph_capture_sizes": sizes})
+    else:
+        kw.update(enforce_eager=True, attention_backend="CPU_MLA")
+    llm = LLM(**kw)
+    engine = llm.llm_engine
+    counter = [0]
+
+    def measure(batch: int, steps: int, profile: bool) -> dict:
+        ids = []
+        for _ in range(batch):
+            rid = f"r{counter[0]}"
+            counter[0] += 1
+            ids.append(rid)
+            prompt = [(counter[0] * 7919 + i * 104729) % 997 + 1 for i in range(args.prompt)]
+            engine.add_request(rid, {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0.0, max_tokens=steps + 8,
+                                              ignore_eos=True, detokenize=False))
+        seen: set = set()
+        n = 0
+        while len(seen) < batch:  # prefill: until every request produced a token
+            for out in engine.step():
+                if out.outputs and out.outputs[0].token_ids:
+                    seen.add(out.request_id)
+            n += 1
+            assert n < 1000, "prefill did not finish"
+        for _ in range(2):  # settle into pure decode steps
+            engine.step()
+        prof = None
+        if profile and on_gpu:
+            from torch.profiler import ProfilerActivity, profile as tprofile
+
+            torch.cuda.synchronize()
+            prof = tprofile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        res = {"tpot_ms": 1e3 * dt / steps}
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            by_name: dict = {}
+            for e in prof.events():
+                if e.device_type.name != "CUDA":
+                    continue
+                by_name[e.name] = by_name.get(e.name, 0.0) + float(e.time_range.elapsed_us())
+            res["kernel_us_per_step"] = {k: v / steps for k, v in by_name.items()}
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return res
+
+    print(TAG + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            break
+        try:
+            res = measure(cmd["batch"], cmd["steps"], cmd.get("profile", False))
+        except Exception as e:  # reported, the driver decides
+            res = {"error": f"{type(e).__name__}: {e}"}
+        print(TAG + json.dumps(res), flush=True)
+
+
+# ------------------------------------------------------------------------------ driver side
+
+
+class Engine:
+    def __init__(self, name: str, model: str, plugin: bool, args, gpu: int | None, log_dir: Path):
+        self.name = name
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("FUSEMLA_", "VLLM_"))}
+        env.update(FUSEMLA_VLLM="1" if plugin else "0", PYTHONUNBUFFERED="1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   VLLM_CACHE_ROOT=str(log_dir / "cache" / name))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if args.smoke:
+            env.update(VLLM_CPU_KVCACHE_SPACE="1")
+        self.log = open(log_dir / f"{name}.log", "w")
+        cmd = [sys.executable, __file__, "worker", "--model", model,
+               "--batches", json.dumps(args.batches), "--prompt", str(args.prompt),
+               "--max-len", str(args.prompt + args.steps + 64)]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env)
+
+    def read(self, timeout: float = 900) -> dict:
+        box: list = []
+
+        def pump():
+            for line in self.p.stdout:
+                if line.startswith(TAG):
+                    box.append(json.loads(line[len(TAG):]))
+                    return
+                self.log.write(line)
+            box.append({"error": f"engine {self.name} exited (rc={self.p.poll()})"})
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        t.join(timeout)
+        self.log.flush()
+        return box[0] if box else {"error": f"engine {self.name}: no answer in {timeout} s"}
+
+    def ask(self, **cmd) -> dict:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.p.stdin.flush()
+            self.p.wait(60)
+        except Exception:
+            self.p.kill()
+        self.log.close()
+
+
+def attribute(on: dict, off: dict) -> dict:
+    """Per category and per layer-changing kernel: GPU µs per decode step, on vs off."""
+    cats = {}
+    for label, prof in (("on", on), ("off", off)):
+        for name, us in prof.items():
+            c = cats.setdefault(category(name), {"on": 0.0, "off": 0.0})
+            c[label] += us
+    total = {"on": sum(on.values()), "off": sum(off.values())}
+    changed = {n: {"on": round(on.get(n, 0.0), 2), "off": round(off.get(n, 0.0), 2)}
+               for n in set(on) | set(off) if abs(on.get(n, 0.0) - off.get(n, 0.0)) > 0.5}
+    return {"gpu_us_per_step": {k: round(v, 2) for k, v in total.items()},
+            "by_category": {k: {x: round(y, 2) for x, y in v.items()} for k, v in cats.items()},
+            "changed_kernels": dict(sorted(changed.items(),
+                                           key=lambda kv: -abs(kv[1]["on"] - kv[1]["off"])))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--model", required=True)
+    w.add_argument("--batches", required=True)
+    w.add_argument("--prompt", type=int, default=256)
+    w.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--models", nargs="+", default=["bench-h16", "bench-h128"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true", help="CPU vLLM, tiny model, 1 repeat")
+    args = ap.parse_args()
+    if args.cmd == "worker":
+        worker(args)
+        return
+    if args.smoke:
+        args.models, args.batches, args.repeats, args.steps, args.prompt = (
+            ["base"], [1, 2], 1, 3, 16)
+    try:
+        import torch
+
+        gpus = list(range(torch.cuda.device_count()))
+    except Exception:
+        gpus = []
+    work = Path(tempfile.mkdtemp(prefix="bench_vllm_"))
+    t_start = time.time()
+    engines: dict = {}
+    for i, m in enumerate(args.models):
+        path = work / "models" / m
+        subprocess.run([sys.executable, str(ENGINE_RUN), "make-model", str(path), "--shape", m],
+                       check=True)
+        gpu = gpus[i % len(gpus)] if gpus else None
+        for plugin in (False, True):
+            engines[(m, plugin)] = Engine(f"{m}-{'on' if plugin else 'off'}", str(path), plugin,
+                                          args, gpu, work)
+    ready = {k: e.read() for k, e in engines.items()}
+    bad = {f"{k[0]}-{k[1]}": v for k, v in ready.items() if not v.get("ready")}
+    results: dict = {"method": __doc__.split("\n\n")[1], "args": vars(args), "rows": [],
+                     "attribution": {}, "errors": bad}
+    if not bad:
+        for m in args.models:
+            pair = {p: engines[(m, p)] for p in (False, True)}
+            for b in args.batches:
+                tp = {False: [], True: []}
+                for r in range(args.repeats):
+                    for p in ((False, True) if r % 2 == 0 else (True, False)):
+                        res = pair[p].ask(batch=b, steps=args.steps)
+                        if "error" in res:
+                            results["errors"][f"{m}-B{b}-{p}-r{r}"] = res["error"]
+                            continue
+                        tp[p].append(res["tpot_ms"])
+                row = {"model": m, "batch": b, "off_ms": tp[False], "on_ms": tp[True]}
+                if tp[False] and tp[True]:
+                    off, on = statistics.median(tp[False]), statistics.median(tp[True])
+                    row.update(off_median=round(off, 4), on_median=round(on, 4),
+                               off_spread=round(max(tp[False]) - min(tp[False]), 4),
+                               on_spread=round(max(tp[True]) - min(tp[True]), 4),
+                               saved_ms=round(off - on, 4), speedup=round(off / on, 4))
+                results["rows"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if not k.endswith("_ms")}),
+                      flush=True)
+                prof = {p: pair[p].ask(batch=b, steps=min(args.steps, 16), profile=True)
+                        for p in (False, True)}
+                if all("kernel_us_per_step" in prof[p] for p in prof):
+                    results["attribution"][f"{m}/B{b}"] = attribute(
+                        prof[True]["kernel_us_per_step"], prof[False]["kernel_us_per_step"])
+    for e in engines.values():
+        e.close()
+    results["seconds"] = round(time.time() - t_start, 1)
+    results["logs"] = str(work)
+    text = json.dumps(results, indent=1, sort_keys=True)
+    if args.out:
+        Path(args.out).write_text(text)
+    print_table(results)
+    if results["errors"]:
+        print("errors:", json.dumps(results["errors"], indent=1)[:3000])
+        sys.exit(1)
+
+
+def print_table(results: dict) -> None:
+    print("\nmodel        B   TPOT off ms (spread)   TPOT on ms (spread)   saved ms   GPU us/step "
+          "off -> on")
+    for r in results["rows"]:
+        if "off_median" not in r:
+            continue
+        a = results["attribution"].get(f"{r['model']}/B{r['batch']}", {})
+        g = a.get("gpu_us_per_step", {})
+        print(f"{r['model']:<11} {r['batch']:>3}   {r['off_median']:.3f} ({r['off_spread']:.3f})"
+              f"        {r['on_median']:.3f} ({r['on_spread']:.3f})       {r['saved_ms']:+.3f}"
+              f"     {g.get('off', 0):.1f} -> {g.get('on', 0):.1f}")
+
+
+if __name__ == "__main__":
+    main()

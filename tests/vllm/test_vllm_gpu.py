@@ -1,0 +1,238 @@
+"""End-to-end tests of fusemla's vLLM plugin in vLLM's CUDA build, on a GPU (``--device=cuda``).
+
+Run on the H200 through the offline vLLM bundle (README, "Verified"); skipped without a GPU or
+without vLLM. Every engine configuration runs in its own process (``harness.py``), several at
+a time per GPU (fixed 1 GiB KV caches, so concurrent starts do not disturb vLLM's memory
+profiling); the session fixture runs them all up front, then each test reads its runs.
+
+Models (``engine_run.SHAPES``): DeepSeek-V3 attention dims (kv_lora 512, rope 64, nope 128,
+v 128, q_lora set) with 16 and 128 heads, DeepSeek-V2-Lite-like (no q_lora, 16 heads), and nope
+64 / v 128 (32 heads): the (nope, rope, v) sets vLLM's FA3 prefill accepts on Hopper. Schedule
+``gpu``: 8 requests of 1 to 900 prompt tokens arriving at different steps (vLLM's FLASH_ATTN_MLA
+counts requests with up to 512 new tokens as decodes, so prompts longer than that make mixed
+steps).
+
+How a run pair is judged (docs/method.md): greedy tokens up to each request's first near tie;
+the numbers (per-layer outputs in eager mode, next-token logprobs in every mode, used cache rows
+when no token differs) against a noise floor measured in the same session: vLLM's own path with
+every value it writes to the cache perturbed by a relative 2^-8 (a bf16 ulp; before the FP8
+quantization for FP8 caches). A planted bug (decode RoPE position + 1) must exceed it.
+
+``FUSEMLA_VLLM_GPU_REPORT=<path>`` writes every deviation, counter and kernel count as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import Spec, accounting_problems, deviation, judge, stats, token_problems  # noqa: E402
+
+_MISSING = harness.vllm_missing()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
+
+NOISE = 2.0 ** -8
+MODES = ("eager", "piecewise", "full_and_piecewise")
+MODELS = ("v3-h16", "v3-h128", "v2lite-h16", "nope64-h32")
+HALF_MODEL = "v3-h16"  # each fused half alone, the planted bug, FP8 and TP=2 on this one
+FP8_MODELS = ("v3-h16", "v3-h128")
+MAX_LEN = 2048
+
+
+def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spec:
+    kw.setdefault("capture", mode == "eager")
+    kw.setdefault("profile", True)
+    return Spec(name=f"{model}-{name}", shape=model, plugin=plugin, mode=mode, schedule="gpu",
+                max_model_len=MAX_LEN, interpret=False, **kw)
+
+
+def all_specs(tp2: bool) -> list[Spec]:
+    specs = []
+    for m in MODELS:
+        for mode in MODES:
+            specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
+        specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+    specs += [_spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
+              _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
+              _spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one")]
+    for m in FP8_MODELS:
+        for mode in ("eager", "full_and_piecewise"):
+            specs += [_spec(m, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
+                      _spec(m, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8")]
+        specs.append(_spec(m, "fp8-noise-eager", False, kv_cache_dtype="fp8",
+                           inject=f"noise:{NOISE}"))
+    specs.append(_spec(HALF_MODEL, "fp8-bug-eager", True, kv_cache_dtype="fp8",
+                       inject="rope_off_by_one"))
+    if tp2:
+        for mode in ("eager", "full_and_piecewise"):
+            specs += [_spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2),
+                      _spec(HALF_MODEL, f"tp2-on-{mode}", True, mode, tp=2)]
+    return specs
+
+
+def _gpus() -> list[int]:
+    import torch
+
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+@pytest.fixture(scope="session")
+def gpu_runs(tmp_path_factory, device):
+    if device != "cuda":
+        pytest.skip("needs --device=cuda")
+    gpus = _gpus()
+    if not gpus:
+        pytest.skip("no GPU")
+    per_gpu = int(os.environ.get("FUSEMLA_VLLM_GPU_PER_DEVICE", "4"))
+    runner = harness.Runner(tmp_path_factory.mktemp("vllm-gpu"), on_gpu=True, gpus=tuple(gpus),
+                            per_gpu=per_gpu, timeout=540)
+    specs = all_specs(tp2=len(gpus) >= 2)
+    # the TP=2 runs last, once the single-GPU runs have freed their slots
+    runner.run_many([s for s in specs if s.tp == 1])
+    runner.run_many([s for s in specs if s.tp > 1], workers=1)
+    report: dict = {"runs": {}, "judged": {}}
+    yield runner, report
+    path = os.environ.get("FUSEMLA_VLLM_GPU_REPORT")
+    if path:
+        for name, r in runner.results.items():
+            report["runs"][name] = {
+                "backends": r["backends"], "init_s": r["init_s"], "loop_s": r["loop_s"],
+                "steps": r["steps"], "kernels": r["kernels"],
+                "stats": [x["summary"]["plugin_stats"] for x in r["ranks"]],
+                "min_margin": min((m for v in r["margins"].values() for m in v), default=None)}
+        report["failures"] = {k: v[-1500:] for k, v in runner.failures.items()}
+        Path(path).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
+
+
+def _floor(runner, model: str, fp8: bool = False) -> dict:
+    pre = "fp8-" if fp8 else ""
+    return deviation(runner.run(_spec(model, f"{pre}noise-eager", False)),
+                     runner.run(_spec(model, f"{pre}off-eager", False)))
+
+
+def _record(report: dict, key: str, dev: dict, floor: dict, extra: dict | None = None) -> None:
+    keep = ("out", "logprob", "logprob_rel", "cache", "steps_compared", "positions_compared",
+            "first_diverged_step")
+    report["judged"][key] = {"dev": {k: dev.get(k) for k in keep},
+                             "floor": {k: floor.get(k) for k in keep}, **(extra or {})}
+
+
+def _kernels(res: dict, rank: int = 0) -> dict:
+    k = res["kernels"][rank] if res.get("kernels") else None
+    assert k is not None, "no kernel profile in this run"
+    return k["counts"]
+
+
+def check_fused(on: dict, off: dict, rank: int = 0) -> None:
+    """The fused path ran in every layer at every step, counted on the GPU itself: as many
+    fusemla kernels as vLLM's own run had cache-write kernels, and no vLLM cache write."""
+    s = stats(on, rank)
+    layers = on["backends"][rank]["layers"]
+    assert s["layers_fused"] == layers and not s.get("layers_vllm"), s
+    assert not s.get("fallback_calls"), s
+    k_on, k_off = _kernels(on, rank), _kernels(off, rank)
+    assert k_on["vllm_cache_write"] == 0, k_on
+    assert k_off["fusemla_prologue"] == 0, k_off
+    assert k_on["fusemla_prologue"] == k_off["vllm_cache_write"] > 0, (k_on, k_off)
+    assert s["mixed_calls"] >= layers, s  # mixed steps (they run outside full graphs too)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", MODES)
+def test_plugin_on_matches_vllm(gpu_runs, model, mode):
+    runner, report = gpu_runs
+    off = runner.run(_spec(model, f"off-{mode}", False, mode))
+    on = runner.run(_spec(model, f"on-{mode}", True, mode))
+    floor = _floor(runner, model)
+    dev = deviation(on, off)
+    _record(report, f"{model}/{mode}", dev, floor,
+            {"backend": on["backends"][0], "kernels_on": on["kernels"],
+             "kernels_off": off["kernels"]})
+    assert on["wrappers"] == ["FuseMLAWrapper"] and off["wrappers"] == [
+        "MultiHeadLatentAttentionWrapper"]
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == []
+    assert dev["positions_compared"] >= 40, dev
+    if mode == "eager":
+        assert dev["steps_compared"] >= 8 and accounting_problems(on, off) == []
+    check_fused(on, off)
+
+
+def test_noise_floor_catches_a_planted_bug(gpu_runs):
+    runner, report = gpu_runs
+    off = runner.run(_spec(HALF_MODEL, "off-eager", False))
+    floor = _floor(runner, HALF_MODEL)
+    bug = deviation(runner.run(_spec(HALF_MODEL, "bug-eager", True)), off)
+    _record(report, f"{HALF_MODEL}/planted-bug", bug, floor)
+    assert floor["out"] > 0
+    assert judge(bug, floor) != [], (bug, floor)
+
+
+@pytest.mark.parametrize("half", ["dec0", "pre0"])
+def test_one_fused_half(gpu_runs, half):
+    runner, report = gpu_runs
+    off = runner.run(_spec(HALF_MODEL, "off-eager", False))
+    on = runner.run(_spec(HALF_MODEL, f"on-eager-{half}", True))
+    floor = _floor(runner, HALF_MODEL)
+    dev = deviation(on, off)
+    _record(report, f"{HALF_MODEL}/eager-{half}", dev, floor, {"kernels_on": on["kernels"]})
+    assert token_problems(on, off) == [] and judge(dev, floor) == []
+    assert accounting_problems(on, off) == []
+    s = stats(on)
+    if half == "dec0":
+        assert s["decode_tokens"] == 0 and s["prefill_tokens"] > 0, s
+    else:
+        assert s["prefill_tokens"] == 0 and s["decode_tokens"] > 0, s
+    assert s["vllm_cache_write_tokens"] > 0
+    k = _kernels(on)
+    assert k["fusemla_prologue"] > 0 and k["vllm_cache_write"] > 0, k
+
+
+@pytest.mark.parametrize("model", FP8_MODELS)
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_fp8_cache(gpu_runs, model, mode):
+    """kv_cache_dtype="fp8": vLLM picks its FlashMLA backend (block size 64, FP8 query); the
+    plugin on vs off within the FP8 noise floor (vLLM's own FP8 cache write perturbed)."""
+    runner, report = gpu_runs
+    off = runner.run(_spec(model, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"))
+    on = runner.run(_spec(model, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"))
+    floor = _floor(runner, model, fp8=True)
+    dev = deviation(on, off)
+    _record(report, f"{model}/fp8/{mode}", dev, floor,
+            {"backend": on["backends"][0], "kernels_on": on["kernels"]})
+    assert on["backends"][0]["kv_cache_dtype"].startswith("fp8")
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == []
+    check_fused(on, off)
+
+
+def test_fp8_floor_catches_a_planted_bug(gpu_runs):
+    runner, report = gpu_runs
+    off = runner.run(_spec(HALF_MODEL, "fp8-off-eager", False, kv_cache_dtype="fp8"))
+    floor = _floor(runner, HALF_MODEL, fp8=True)
+    bug = deviation(runner.run(_spec(HALF_MODEL, "fp8-bug-eager", True, kv_cache_dtype="fp8")),
+                    off)
+    _record(report, f"{HALF_MODEL}/fp8/planted-bug", bug, floor)
+    assert judge(bug, floor) != [], (bug, floor)
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_tp2(gpu_runs, mode):
+    runner, report = gpu_runs
+    if len(_gpus()) < 2:
+        pytest.skip("tensor_parallel_size=2 needs two GPUs")
+    off = runner.run(_spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2))
+    on = runner.run(_spec(HALF_MODEL, f"tp2-on-{mode}", True, mode, tp=2))
+    floor = _floor(runner, HALF_MODEL)
+    dev = deviation(on, off)
+    _record(report, f"{HALF_MODEL}/tp2/{mode}", dev, floor, {"kernels_on": on["kernels"]})
+    assert len(on["ranks"]) == 2
+    assert token_problems(on, off) == [] and judge(dev, floor) == []
+    for r in range(2):
+        check_fused(on, off, rank=r)
