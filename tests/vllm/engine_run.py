@@ -51,8 +51,8 @@ SCHEDULES = {
     # the original CPU schedule (prompts 9..57)
     "small": [("a", 0, 23, 14), ("b", 3, 41, 10), ("c", 4, 9, 12), ("d", 9, 57, 8)],
     # CPU: 1- to 300-token prompts at different steps; step 0 is prefill-only, later steps mix,
-    # the tail is decode-only
-    "wide": [("a", 0, 1, 10), ("b", 0, 37, 8), ("c", 2, 300, 4), ("d", 3, 5, 8),
+    # the tail is decode-only (a 1-token prompt is a decode-shaped query: "a" joins a decode step)
+    "wide": [("b", 0, 37, 8), ("a", 1, 1, 10), ("c", 2, 300, 4), ("d", 3, 5, 8),
              ("e", 5, 120, 5), ("f", 7, 2, 4)],
     # GPU: vLLM's FLASH_ATTN_MLA counts requests with up to 512 new tokens as decodes, so the
     # prompts that make steps mixed are longer than that

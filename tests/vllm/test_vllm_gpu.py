@@ -35,28 +35,44 @@ import harness  # noqa: E402
 from harness import Spec, accounting_problems, deviation, judge, stats, token_problems  # noqa: E402
 
 _MISSING = harness.vllm_missing()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
+DRYRUN = os.environ.get("FUSEMLA_VLLM_GPU_DRYRUN") == "1"
+pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
+if not DRYRUN:
+    pytestmark.append(pytest.mark.gpu)
 
 NOISE = 2.0 ** -8
 MODES = ("eager", "piecewise", "full_and_piecewise")
 MODELS = ("v3-h16", "v3-h128", "v2lite-h16", "nope64-h32")
+# PIECEWISE on the DeepSeek-V3 models only (the other two: eager and vLLM's default mode)
+CASES = [(m, mode) for m in MODELS for mode in MODES
+         if mode != "piecewise" or m.startswith("v3-")]
 HALF_MODEL = "v3-h16"  # each fused half alone, the planted bug, FP8 and TP=2 on this one
 FP8_MODELS = ("v3-h16", "v3-h128")
+# other MLA decode backends vLLM offers on Hopper (bf16 cache), in vLLM's default mode
+OTHER_BACKENDS = ("FLASHMLA", "TRITON_MLA")
 MAX_LEN = 2048
+SCHEDULE = "gpu"
+# FUSEMLA_VLLM_GPU_DRYRUN=1: the suite's own logic on vLLM's CPU build (one model, eager, the
+# CPU schedule, no FP8 / TP=2 / kernel counts), to check the test code before GPU time
+if DRYRUN:
+    CASES, MODELS, FP8_MODELS, SCHEDULE = [("v3-h16", "eager")], ("v3-h16",), (), "wide"
+    OTHER_BACKENDS = ()
 
 
 def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spec:
     kw.setdefault("capture", mode == "eager")
     kw.setdefault("profile", True)
-    return Spec(name=f"{model}-{name}", shape=model, plugin=plugin, mode=mode, schedule="gpu",
+    if DRYRUN:
+        kw.setdefault("backend", "CPU_MLA")
+    return Spec(name=f"{model}-{name}", shape=model, plugin=plugin, mode=mode, schedule=SCHEDULE,
                 max_model_len=MAX_LEN, interpret=False, **kw)
 
 
 def all_specs(tp2: bool) -> list[Spec]:
     specs = []
+    for m, mode in CASES:
+        specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
     for m in MODELS:
-        for mode in MODES:
-            specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
         specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
     specs += [_spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
               _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
@@ -67,8 +83,12 @@ def all_specs(tp2: bool) -> list[Spec]:
                       _spec(m, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8")]
         specs.append(_spec(m, "fp8-noise-eager", False, kv_cache_dtype="fp8",
                            inject=f"noise:{NOISE}"))
-    specs.append(_spec(HALF_MODEL, "fp8-bug-eager", True, kv_cache_dtype="fp8",
-                       inject="rope_off_by_one"))
+    if FP8_MODELS:
+        specs.append(_spec(HALF_MODEL, "fp8-bug-eager", True, kv_cache_dtype="fp8",
+                           inject="rope_off_by_one"))
+    for b in OTHER_BACKENDS:
+        specs += [_spec(HALF_MODEL, f"{b}-off", False, "full_and_piecewise", backend=b),
+                  _spec(HALF_MODEL, f"{b}-on", True, "full_and_piecewise", backend=b)]
     if tp2:
         for mode in ("eager", "full_and_piecewise"):
             specs += [_spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2),
@@ -84,18 +104,18 @@ def _gpus() -> list[int]:
 
 @pytest.fixture(scope="session")
 def gpu_runs(tmp_path_factory, device):
-    if device != "cuda":
+    if device != "cuda" and not DRYRUN:
         pytest.skip("needs --device=cuda")
     gpus = _gpus()
-    if not gpus:
+    if not gpus and not DRYRUN:
         pytest.skip("no GPU")
     per_gpu = int(os.environ.get("FUSEMLA_VLLM_GPU_PER_DEVICE", "4"))
-    runner = harness.Runner(tmp_path_factory.mktemp("vllm-gpu"), on_gpu=True, gpus=tuple(gpus),
+    runner = harness.Runner(tmp_path_factory.mktemp("vllm-gpu"), on_gpu=bool(gpus),
+                            gpus=tuple(gpus),
                             per_gpu=per_gpu, timeout=540)
     specs = all_specs(tp2=len(gpus) >= 2)
-    # the TP=2 runs last, once the single-GPU runs have freed their slots
-    runner.run_many([s for s in specs if s.tp == 1])
-    runner.run_many([s for s in specs if s.tp > 1], workers=1)
+    # the TP=2 runs first (they share both GPUs with the others; small fixed KV caches)
+    runner.run_many(sorted(specs, key=lambda s: -s.tp), workers=len(gpus) * per_gpu + 1)
     report: dict = {"runs": {}, "judged": {}}
     yield runner, report
     path = os.environ.get("FUSEMLA_VLLM_GPU_REPORT")
@@ -124,6 +144,8 @@ def _record(report: dict, key: str, dev: dict, floor: dict, extra: dict | None =
 
 
 def _kernels(res: dict, rank: int = 0) -> dict:
+    if DRYRUN:
+        pytest.skip("dry run on the CPU: no CUDA kernels to count")
     k = res["kernels"][rank] if res.get("kernels") else None
     assert k is not None, "no kernel profile in this run"
     return k["counts"]
@@ -136,15 +158,16 @@ def check_fused(on: dict, off: dict, rank: int = 0) -> None:
     layers = on["backends"][rank]["layers"]
     assert s["layers_fused"] == layers and not s.get("layers_vllm"), s
     assert not s.get("fallback_calls"), s
+    assert s["mixed_calls"] >= layers, s  # mixed steps (they run outside full graphs too)
+    if DRYRUN:
+        return
     k_on, k_off = _kernels(on, rank), _kernels(off, rank)
     assert k_on["vllm_cache_write"] == 0, k_on
     assert k_off["fusemla_prologue"] == 0, k_off
     assert k_on["fusemla_prologue"] == k_off["vllm_cache_write"] > 0, (k_on, k_off)
-    assert s["mixed_calls"] >= layers, s  # mixed steps (they run outside full graphs too)
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model,mode", CASES)
 def test_plugin_on_matches_vllm(gpu_runs, model, mode):
     runner, report = gpu_runs
     off = runner.run(_spec(model, f"off-{mode}", False, mode))
@@ -158,7 +181,7 @@ def test_plugin_on_matches_vllm(gpu_runs, model, mode):
         "MultiHeadLatentAttentionWrapper"]
     assert token_problems(on, off) == []
     assert judge(dev, floor) == []
-    assert dev["positions_compared"] >= 40, dev
+    assert dev["positions_compared"] >= 30, dev
     if mode == "eager":
         assert dev["steps_compared"] >= 8 and accounting_problems(on, off) == []
     check_fused(on, off)
@@ -190,6 +213,8 @@ def test_one_fused_half(gpu_runs, half):
     else:
         assert s["prefill_tokens"] == 0 and s["decode_tokens"] > 0, s
     assert s["vllm_cache_write_tokens"] > 0
+    if DRYRUN:
+        return
     k = _kernels(on)
     assert k["fusemla_prologue"] > 0 and k["vllm_cache_write"] > 0, k
 
@@ -212,6 +237,22 @@ def test_fp8_cache(gpu_runs, model, mode):
     check_fused(on, off)
 
 
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+def test_other_decode_backend(gpu_runs, backend):
+    runner, report = gpu_runs
+    mode = "full_and_piecewise"
+    off = runner.run(_spec(HALF_MODEL, f"{backend}-off", False, mode, backend=backend))
+    on = runner.run(_spec(HALF_MODEL, f"{backend}-on", True, mode, backend=backend))
+    floor = _floor(runner, HALF_MODEL)
+    dev = deviation(on, off)
+    _record(report, f"{HALF_MODEL}/{backend}/{mode}", dev, floor,
+            {"backend": on["backends"][0], "kernels_on": on["kernels"]})
+    assert on["backends"][0]["backend"] == backend
+    assert token_problems(on, off) == [] and judge(dev, floor) == []
+    check_fused(on, off)
+
+
+@pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
 def test_fp8_floor_catches_a_planted_bug(gpu_runs):
     runner, report = gpu_runs
     off = runner.run(_spec(HALF_MODEL, "fp8-off-eager", False, kv_cache_dtype="fp8"))

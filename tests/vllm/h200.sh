@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The vLLM GPU runs on the H200 (device tool), after the offline vLLM bundle's parts have been
+# stashed there (README "Verified", ../shared/tools/vllm_gpu). From the project root:
+#
+#   bash tests/vllm/h200.sh start     # unpack + install, then the GPU e2e suite in the background
+#   bash tests/vllm/h200.sh wait N    # wait up to N s for it; copy log + JSON report to $OUT
+#   bash tests/vllm/h200.sh bench     # benchmarks/bench_vllm.py (TPOT on vs off), JSON to $OUT
+#
+# The suite runs detached (setsid) so it outlives one device call; its files live in /tmp/vgpu_run.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+RUN=/tmp/vgpu_run
+OUTDIR=${OUT:-/tmp/out}
+mkdir -p "$RUN" "$OUTDIR"
+# the commit under test: .vgpu/commit (written here before the call, carried), kept for later calls
+[[ -f .vgpu/commit ]] && cp .vgpu/commit "$RUN/commit"
+commit=$(cat "$RUN/commit" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+
+case ${1:-} in
+  start)
+    bash .vgpu/gpu_env.sh setup || exit 1
+    nvidia-smi -L
+    rm -f "$RUN"/done "$RUN"/tests.log
+    setsid nohup bash -c "
+      export FUSEMLA_VLLM_GPU_REPORT=$RUN/report.json
+      bash .vgpu/gpu_env.sh run -- python3 -m pytest -q -rs --device=cuda -p no:cacheprovider \
+        tests/vllm/test_vllm_gpu.py > $RUN/tests.log 2>&1
+      echo \$? > $RUN/done" > /dev/null 2>&1 < /dev/null &
+    echo "[h200] GPU e2e suite started at commit $commit" ;;
+  wait)
+    limit=${2:-500}
+    t0=$SECONDS
+    while [[ ! -f $RUN/done ]] && (( SECONDS - t0 < limit )); do sleep 5; done
+    tail -c 6000 "$RUN"/tests.log
+    [[ -f $RUN/done ]] && echo "[h200] suite exit status $(cat $RUN/done)" || echo "[h200] still running"
+    cp "$RUN"/tests.log "$OUTDIR/h200_vllm_gpu_tests_$commit.log" 2>/dev/null
+    cp "$RUN"/report.json "$OUTDIR/h200_vllm_gpu_report_$commit.json" 2>/dev/null
+    ls /tmp/pytest-of-*/ 2>/dev/null | tail -1 ;;
+  bench)
+    bash .vgpu/gpu_env.sh run -- python3 benchmarks/bench_vllm.py \
+      --out "$OUTDIR/h200_vllm_bench_$commit.json" "${@:2}" 2>&1 | tee "$OUTDIR/h200_vllm_bench_$commit.log" ;;
+  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args]"; exit 2 ;;
+esac
