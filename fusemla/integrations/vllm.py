@@ -34,6 +34,7 @@ Importing this module does not import vLLM; :func:`register` does.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 
@@ -194,6 +195,24 @@ def _forward_context_for(layer_name: str):
     slots = fc.slot_mapping
     slots = slots.get(layer_name) if isinstance(slots, dict) else None
     return md, slots
+
+
+# Decode backends the plugin leaves to vLLM until fusemla runs correctly through them: measured
+# on the H200 (vLLM 0.32.0, tests/vllm/test_vllm_gpu.py), FLASHMLA with the plugin on deviated from
+# vLLM's own path far beyond the bf16 noise floor (next-token logprobs 0.39 relative vs a floor
+# of 0.035), where FLASH_ATTN_MLA and TRITON_MLA agreed bit for bit. vLLM picks FLASHMLA on
+# Hopper for FP8 caches, so those fall back too unless another backend is chosen.
+UNVERIFIED_BACKENDS = {
+    "FLASHMLA": "gave results outside vLLM's own noise with the plugin on (H200, vLLM 0.32.0)",
+}
+FORCE_ENV = "FUSEMLA_VLLM_FORCE_BACKENDS"
+
+
+def _forced_backends() -> set[str]:
+    """Backends named in ``FUSEMLA_VLLM_FORCE_BACKENDS`` (comma-separated): run fused even
+    though :data:`UNVERIFIED_BACKENDS` lists them (for diagnosis and tests only)."""
+    raw = os.environ.get(FORCE_ENV, "")
+    return {b.strip().upper() for b in raw.split(",") if b.strip()}
 
 
 _FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
@@ -410,6 +429,10 @@ def _structural_reason(w) -> str | None:
         return "kv_b_proj runs AITER's FP8/FP4 BMM (quantized W_UK)"
     if a.prefill_backend is None:
         return "no dense prefill backend"
+    backend = a.attn_backend.get_name()
+    if backend in UNVERIFIED_BACKENDS and backend not in _forced_backends():
+        return (f"the {backend} decode backend {UNVERIFIED_BACKENDS[backend]} (set "
+                f"{FORCE_ENV}={backend} to run fused anyway, for diagnosis)")
     uses_flat = getattr(a, "_uses_flat_kv_cache", None)
     if callable(uses_flat) and uses_flat():
         return f"the {a.attn_backend.get_name()} backend keeps a flat KV cache layout"

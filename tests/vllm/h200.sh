@@ -2,7 +2,8 @@
 # The vLLM GPU runs on the H200 (device tool), after the offline vLLM bundle's parts have been
 # stashed there (README "Verified", ../shared/tools/vllm_gpu). From the project root:
 #
-#   bash tests/vllm/h200.sh start     # unpack + install, then the GPU e2e suite in the background
+#   bash tests/vllm/h200.sh start [pytest args]   # unpack + install, then the GPU e2e suite in
+#                                                 # the background (FUSEMLA_VLLM_GPU_ONLY passes)
 #   bash tests/vllm/h200.sh wait N    # wait up to N s for it; copy log + JSON report to $OUT
 #   bash tests/vllm/h200.sh bench     # benchmarks/bench_vllm.py (TPOT on vs off), JSON to $OUT
 #
@@ -21,10 +22,11 @@ case ${1:-} in
     bash .vgpu/gpu_env.sh setup || exit 1
     nvidia-smi -L
     rm -f "$RUN"/done "$RUN"/tests.log
+    extra=$(printf ' %q' "${@:2}")  # more pytest arguments (e.g. -k ...)
     setsid nohup bash -c "
       export FUSEMLA_VLLM_GPU_REPORT=$RUN/report.json
       bash .vgpu/gpu_env.sh run -- python3 -m pytest -q -rs --device=cuda -p no:cacheprovider \
-        tests/vllm/test_vllm_gpu.py > $RUN/tests.log 2>&1
+        tests/vllm/test_vllm_gpu.py $extra > $RUN/tests.log 2>&1
       echo \$? > $RUN/done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] GPU e2e suite started at commit $commit" ;;
   wait)

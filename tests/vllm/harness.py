@@ -117,9 +117,11 @@ class Runner:
         if interpret:
             env["TRITON_INTERPRET"] = "1"
         env["VLLM_CACHE_ROOT"] = str(self.root / "vllm-cache" / s.name)  # no shared compile cache
-        if s.tp == 1:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
-        elif not self.on_gpu:
+        # the engine core in this process: each engine.step() of the driver is one scheduler
+        # step, so requests arrive at the same step in every run (with the core in its own
+        # process, arrival depends on timing and step compositions differ between runs)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if s.tp > 1 and not self.on_gpu:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(s.tp))
         env.update(s.env)
         return env

@@ -49,7 +49,10 @@ CASES = [(m, mode) for m in MODELS for mode in MODES
 HALF_MODEL = "v3-h16"  # each fused half alone, the planted bug, FP8 and TP=2 on this one
 FP8_MODELS = ("v3-h16", "v3-h128")
 # other MLA decode backends vLLM offers on Hopper (bf16 cache), in vLLM's default mode
-OTHER_BACKENDS = ("FLASHMLA", "TRITON_MLA")
+OTHER_BACKENDS = ("TRITON_MLA",)
+# FP8 caches run fused through TRITON_MLA (FP8 cache, bf16 query); vLLM's own choice for FP8 on
+# Hopper, FLASHMLA, is left to vLLM by the plugin (fusemla.integrations.vllm.UNVERIFIED_BACKENDS)
+FP8_BACKEND = "TRITON_MLA"
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_DRYRUN=1: the suite's own logic on vLLM's CPU build (one model, eager, the
@@ -68,28 +71,46 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
                 max_model_len=MAX_LEN, interpret=False, **kw)
 
 
-def all_specs(tp2: bool) -> list[Spec]:
-    specs = []
-    for m, mode in CASES:
-        specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
-    for m in MODELS:
-        specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
-    specs += [_spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
-              _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
-              _spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one")]
-    for m in FP8_MODELS:
-        for mode in ("eager", "full_and_piecewise"):
-            specs += [_spec(m, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
-                      _spec(m, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8")]
-        specs.append(_spec(m, "fp8-noise-eager", False, kv_cache_dtype="fp8",
-                           inject=f"noise:{NOISE}"))
-    if FP8_MODELS:
-        specs.append(_spec(HALF_MODEL, "fp8-bug-eager", True, kv_cache_dtype="fp8",
-                           inject="rope_off_by_one"))
-    for b in OTHER_BACKENDS:
-        specs += [_spec(HALF_MODEL, f"{b}-off", False, "full_and_piecewise", backend=b),
-                  _spec(HALF_MODEL, f"{b}-on", True, "full_and_piecewise", backend=b)]
-    if tp2:
+def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
+    """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
+    backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
+    want = (lambda g: groups is None or g in groups)
+    specs = [_spec(HALF_MODEL, "off-eager", False),
+             _spec(HALF_MODEL, "noise-eager", False, inject=f"noise:{NOISE}")]
+    if want("main"):
+        for m, mode in CASES:
+            specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
+        for m in MODELS:
+            specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+        specs += [_spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
+                  _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
+                  _spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one")]
+    if want("fp8") and FP8_MODELS:
+        fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
+        for m in FP8_MODELS:
+            for mode in ("eager", "full_and_piecewise"):
+                specs += [_spec(m, f"fp8t-off-{mode}", False, mode, **fp8),
+                          _spec(m, f"fp8t-on-{mode}", True, mode, **fp8)]
+            specs.append(_spec(m, "fp8t-noise-eager", False, inject=f"noise:{NOISE}", **fp8))
+        specs.append(_spec(HALF_MODEL, "fp8t-bug-eager", True, inject="rope_off_by_one", **fp8))
+        # vLLM's own choice for FP8 on Hopper (FLASHMLA): the plugin falls back
+        mode = "full_and_piecewise"
+        specs += [_spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
+                  _spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8")]
+    if want("backends"):
+        mode = "full_and_piecewise"
+        for b in OTHER_BACKENDS:
+            specs += [_spec(HALF_MODEL, f"{b}-off", False, mode, backend=b),
+                      _spec(HALF_MODEL, f"{b}-on", True, mode, backend=b)]
+        force = {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}
+        specs += [_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
+                  _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
+                  _spec(HALF_MODEL, "FLASHMLA-forced-eager", True, backend="FLASHMLA", env=force),
+                  _spec(HALF_MODEL, "FLASHMLA-forced-dec0-eager", True, backend="FLASHMLA",
+                        env={**force, "FUSEMLA_FUSED_DECODE": "0"}),
+                  _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA",
+                        env=force)]
+    if tp2 and want("tp2"):
         for mode in ("eager", "full_and_piecewise"):
             specs += [_spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2),
                       _spec(HALF_MODEL, f"tp2-on-{mode}", True, mode, tp=2)]
@@ -113,7 +134,9 @@ def gpu_runs(tmp_path_factory, device):
     runner = harness.Runner(tmp_path_factory.mktemp("vllm-gpu"), on_gpu=bool(gpus),
                             gpus=tuple(gpus),
                             per_gpu=per_gpu, timeout=540)
-    specs = all_specs(tp2=len(gpus) >= 2)
+    only = os.environ.get("FUSEMLA_VLLM_GPU_ONLY")
+    specs = all_specs(tp2=len(gpus) >= 2,
+                      groups={g.strip() for g in only.split(",")} if only else None)
     # the TP=2 runs first (they share both GPUs with the others; small fixed KV caches)
     runner.run_many(sorted(specs, key=lambda s: -s.tp), workers=len(gpus) * per_gpu + 1)
     report: dict = {"runs": {}, "judged": {}}
@@ -222,19 +245,58 @@ def test_one_fused_half(gpu_runs, half):
 @pytest.mark.parametrize("model", FP8_MODELS)
 @pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
 def test_fp8_cache(gpu_runs, model, mode):
-    """kv_cache_dtype="fp8": vLLM picks its FlashMLA backend (block size 64, FP8 query); the
-    plugin on vs off within the FP8 noise floor (vLLM's own FP8 cache write perturbed)."""
+    """kv_cache_dtype="fp8" through TRITON_MLA: the plugin on vs off within the FP8 noise floor
+    (vLLM's own path with its values perturbed by a bf16 ulp before the FP8 quantization)."""
     runner, report = gpu_runs
-    off = runner.run(_spec(model, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"))
-    on = runner.run(_spec(model, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"))
-    floor = _floor(runner, model, fp8=True)
+    fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
+    off = runner.run(_spec(model, f"fp8t-off-{mode}", False, mode, **fp8))
+    on = runner.run(_spec(model, f"fp8t-on-{mode}", True, mode, **fp8))
+    floor = deviation(runner.run(_spec(model, "fp8t-noise-eager", False, **fp8)),
+                      runner.run(_spec(model, "fp8t-off-eager", False, **fp8)))
     dev = deviation(on, off)
-    _record(report, f"{model}/fp8/{mode}", dev, floor,
+    _record(report, f"{model}/fp8/{FP8_BACKEND}/{mode}", dev, floor,
             {"backend": on["backends"][0], "kernels_on": on["kernels"]})
     assert on["backends"][0]["kv_cache_dtype"].startswith("fp8")
+    assert on["backends"][0]["backend"] == FP8_BACKEND
     assert token_problems(on, off) == []
     assert judge(dev, floor) == []
     check_fused(on, off)
+
+
+@pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
+def test_fp8_floor_catches_a_planted_bug(gpu_runs):
+    runner, report = gpu_runs
+    fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
+    off = runner.run(_spec(HALF_MODEL, "fp8t-off-eager", False, **fp8))
+    floor = deviation(runner.run(_spec(HALF_MODEL, "fp8t-noise-eager", False, **fp8)), off)
+    bug = deviation(runner.run(_spec(HALF_MODEL, "fp8t-bug-eager", True, **fp8)), off)
+    _record(report, f"{HALF_MODEL}/fp8/planted-bug", bug, floor)
+    assert judge(bug, floor) != [], (bug, floor)
+
+
+def _falls_back_exactly(on: dict, off: dict, reason: str) -> None:
+    """The plugin left every MLA layer to vLLM, said why, and changed nothing (bit for bit)."""
+    s = stats(on)
+    layers = on["backends"][0]["layers"]
+    assert s.get("layers_vllm") == layers and not s.get("layers_fused"), s
+    assert reason in on["log"]
+    assert on["tokens"] == off["tokens"]
+    d = deviation(on, off)
+    assert (d["out"], d["logprob"], d["cache"]) == (0.0, 0.0, 0.0) and not d["problems"], d
+    if not DRYRUN:
+        assert _kernels(on)["fusemla_prologue"] == 0
+
+
+@pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
+def test_fp8_cache_on_flashmla_falls_back(gpu_runs):
+    """vLLM's own backend choice for an FP8 cache on Hopper is FLASHMLA, which the plugin leaves
+    to vLLM (UNVERIFIED_BACKENDS): the run is vLLM's own, bit for bit."""
+    runner, report = gpu_runs
+    mode = "full_and_piecewise"
+    off = runner.run(_spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"))
+    on = runner.run(_spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"))
+    assert on["backends"][0]["backend"] == "FLASHMLA"
+    _falls_back_exactly(on, off, "the FLASHMLA decode backend")
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)
@@ -252,15 +314,33 @@ def test_other_decode_backend(gpu_runs, backend):
     check_fused(on, off)
 
 
-@pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
-def test_fp8_floor_catches_a_planted_bug(gpu_runs):
+@pytest.mark.skipif(DRYRUN, reason="FLASHMLA is a GPU backend")
+def test_flashmla_falls_back_and_why(gpu_runs):
+    """FLASHMLA (bf16 cache) is left to vLLM: on vs off bit-identical. The runs that show why
+    (FUSEMLA_VLLM_FORCE_BACKENDS=FLASHMLA) are recorded in the report: vLLM's own FLASHMLA path
+    is deterministic run to run, so a deviation of the forced fused path is the plugin's."""
     runner, report = gpu_runs
-    off = runner.run(_spec(HALF_MODEL, "fp8-off-eager", False, kv_cache_dtype="fp8"))
-    floor = _floor(runner, HALF_MODEL, fp8=True)
-    bug = deviation(runner.run(_spec(HALF_MODEL, "fp8-bug-eager", True, kv_cache_dtype="fp8")),
-                    off)
-    _record(report, f"{HALF_MODEL}/fp8/planted-bug", bug, floor)
-    assert judge(bug, floor) != [], (bug, floor)
+    mode = "full_and_piecewise"
+    off = runner.run(_spec(HALF_MODEL, "FLASHMLA-off", False, mode, backend="FLASHMLA"))
+    on = runner.run(_spec(HALF_MODEL, "FLASHMLA-on", True, mode, backend="FLASHMLA"))
+    _falls_back_exactly(on, off, "the FLASHMLA decode backend")
+    off_e = runner.run(_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"))
+    off2 = runner.run(_spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"))
+    floor = _floor(runner, HALF_MODEL)
+    specs = {s.name: s for s in all_specs(tp2=False, groups={"backends"})}
+    for name, ref in (("forced-eager", off_e), ("forced-dec0-eager", off_e),
+                      ("forced-full", off)):
+        try:
+            r = runner.run(specs[f"{HALF_MODEL}-FLASHMLA-{name}"])
+        except AssertionError as e:
+            report["judged"][f"{HALF_MODEL}/FLASHMLA/{name}"] = {"error": str(e)[-800:]}
+            continue
+        _record(report, f"{HALF_MODEL}/FLASHMLA/{name}", deviation(r, ref), floor,
+                {"stats": stats(r), "kernels_on": r["kernels"]})
+    det = deviation(off2, off_e)
+    _record(report, f"{HALF_MODEL}/FLASHMLA/off-vs-off", det, floor)
+    assert off2["tokens"] == off_e["tokens"]
+    assert (det["out"], det["logprob"], det["cache"]) == (0.0, 0.0, 0.0), det
 
 
 @pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
