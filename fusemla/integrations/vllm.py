@@ -197,20 +197,22 @@ def _forward_context_for(layer_name: str):
     return md, slots
 
 
-# Decode backends the plugin leaves to vLLM until fusemla runs correctly through them: measured
-# on the H200 (vLLM 0.32.0, tests/vllm/test_vllm_gpu.py), FLASHMLA with the plugin on deviated from
-# vLLM's own path far beyond the bf16 noise floor (next-token logprobs 0.39 relative vs a floor
-# of 0.035), where FLASH_ATTN_MLA and TRITON_MLA agreed bit for bit. vLLM picks FLASHMLA on
-# Hopper for FP8 caches, so those fall back too unless another backend is chosen.
-UNVERIFIED_BACKENDS = {
-    "FLASHMLA": "gave results outside vLLM's own noise with the plugin on (H200, vLLM 0.32.0)",
+# Decode backends the plugin leaves to vLLM in full CUDA-graph modes (FULL, FULL_AND_PIECEWISE,
+# vLLM's default) until fusemla runs correctly through them there. Measured on the H200 (vLLM
+# 0.32.0, tests/vllm/test_vllm_gpu.py, benchmarks/results/h200_vllm_gpu_*): with FLASHMLA (bf16
+# cache) the fused path was bit-identical to vLLM's own in eager mode, but in FULL_AND_PIECEWISE
+# its next-token logprobs deviated by 0.23 relative (noise floor 0.035; vLLM's own FLASHMLA path
+# varied by 0.016 between two identical runs). FLASH_ATTN_MLA and TRITON_MLA agreed bit for bit
+# in every mode. vLLM picks FLASHMLA on Hopper for FP8 caches, so those fall back by default.
+UNVERIFIED_FULL_GRAPH_BACKENDS = {
+    "FLASHMLA": "deviated from vLLM's own path under full CUDA graphs (H200, vLLM 0.32.0)",
 }
 FORCE_ENV = "FUSEMLA_VLLM_FORCE_BACKENDS"
 
 
 def _forced_backends() -> set[str]:
     """Backends named in ``FUSEMLA_VLLM_FORCE_BACKENDS`` (comma-separated): run fused even
-    though :data:`UNVERIFIED_BACKENDS` lists them (for diagnosis and tests only)."""
+    where :data:`UNVERIFIED_FULL_GRAPH_BACKENDS` lists them (for diagnosis and tests only)."""
     raw = os.environ.get(FORCE_ENV, "")
     return {b.strip().upper() for b in raw.split(",") if b.strip()}
 
@@ -430,9 +432,11 @@ def _structural_reason(w) -> str | None:
     if a.prefill_backend is None:
         return "no dense prefill backend"
     backend = a.attn_backend.get_name()
-    if backend in UNVERIFIED_BACKENDS and backend not in _forced_backends():
-        return (f"the {backend} decode backend {UNVERIFIED_BACKENDS[backend]} (set "
-                f"{FORCE_ENV}={backend} to run fused anyway, for diagnosis)")
+    if (backend in UNVERIFIED_FULL_GRAPH_BACKENDS and backend not in _forced_backends()
+            and _full_cudagraphs()):
+        return (f"the {backend} decode backend {UNVERIFIED_FULL_GRAPH_BACKENDS[backend]}; it "
+                f"runs fused with enforce_eager=True (set {FORCE_ENV}={backend} to run it fused "
+                f"anyway, for diagnosis)")
     uses_flat = getattr(a, "_uses_flat_kv_cache", None)
     if callable(uses_flat) and uses_flat():
         return f"the {a.attn_backend.get_name()} backend keeps a flat KV cache layout"
@@ -452,6 +456,18 @@ def _structural_reason(w) -> str | None:
     except Exception:  # pragma: no cover - outside a vLLM config context
         pass
     return None
+
+
+def _full_cudagraphs() -> bool:
+    """vLLM's config captures full CUDA graphs (FULL / FULL_AND_PIECEWISE and the like)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        cc = get_current_vllm_config().compilation_config
+        mode = cc.cudagraph_mode
+        return bool(mode is not None and mode.has_full_cudagraphs())
+    except Exception:  # pragma: no cover - outside a vLLM config context: assume the default
+        return True
 
 
 def _mark_compile_cache(dec: bool, pre: bool) -> None:

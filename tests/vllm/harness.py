@@ -89,18 +89,35 @@ class Runner:
         self.results: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
         self._models: dict[str, Path] = {}
+        self._building: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self._free = [g for g in self.gpus for _ in range(per_gpu)]
 
     def model(self, shape: str) -> Path:
+        """The saved model of ``shape`` (built once; several shapes may build at once)."""
         with self._lock:
             if shape in self._models:
                 return self._models[shape]
-            path = self.root / "models" / shape.replace(":", "-")
-            subprocess.run([sys.executable, str(SCRIPT), "make-model", str(path), "--shape",
-                            shape], check=True, env=self._base_env(), timeout=600)
-            self._models[shape] = path
-            return path
+            ev = self._building.get(shape)
+            if ev is None:
+                ev = self._building[shape] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        path = self.root / "models" / shape.replace(":", "-")
+        if mine:
+            try:
+                subprocess.run([sys.executable, str(SCRIPT), "make-model", str(path),
+                                "--shape", shape], check=True, env=self._base_env(), timeout=600)
+                with self._lock:
+                    self._models[shape] = path
+            finally:
+                ev.set()
+        else:
+            ev.wait()
+        if shape not in self._models:
+            raise AssertionError(f"building the model of shape {shape} failed")
+        return path
 
     def _base_env(self) -> dict:
         env = {k: v for k, v in os.environ.items()
@@ -178,8 +195,9 @@ class Runner:
     def run_many(self, specs: list, workers: int | None = None) -> None:
         """Run every spec not yet run, ``workers`` at a time (failures kept for :meth:`run`)."""
         todo = [s for s in specs if s.name not in self.results and s.name not in self.failures]
-        for s in todo:
-            self.model(s.shape)
+        shapes = sorted({s.shape for s in todo})
+        with cf.ThreadPoolExecutor(max(1, min(len(shapes), os.cpu_count() or 1))) as ex:
+            list(ex.map(self.model, shapes))  # the models first, in parallel
         n = workers or (len(self._free) if self.on_gpu else 1)
         with cf.ThreadPoolExecutor(max(1, n)) as ex:
             for f in [ex.submit(self.run, s) for s in todo]:

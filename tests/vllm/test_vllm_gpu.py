@@ -51,7 +51,8 @@ FP8_MODELS = ("v3-h16", "v3-h128")
 # other MLA decode backends vLLM offers on Hopper (bf16 cache), in vLLM's default mode
 OTHER_BACKENDS = ("TRITON_MLA",)
 # FP8 caches run fused through TRITON_MLA (FP8 cache, bf16 query); vLLM's own choice for FP8 on
-# Hopper, FLASHMLA, is left to vLLM by the plugin (fusemla.integrations.vllm.UNVERIFIED_BACKENDS)
+# Hopper, FLASHMLA, is left to vLLM by the plugin under full CUDA graphs
+# (fusemla.integrations.vllm.UNVERIFIED_FULL_GRAPH_BACKENDS)
 FP8_BACKEND = "TRITON_MLA"
 MAX_LEN = 2048
 SCHEDULE = "gpu"
@@ -105,9 +106,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
         force = {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}
         specs += [_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
                   _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
-                  _spec(HALF_MODEL, "FLASHMLA-forced-eager", True, backend="FLASHMLA", env=force),
-                  _spec(HALF_MODEL, "FLASHMLA-forced-dec0-eager", True, backend="FLASHMLA",
-                        env={**force, "FUSEMLA_FUSED_DECODE": "0"}),
+                  _spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"),
                   _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA",
                         env=force)]
     if tp2 and want("tp2"):
@@ -274,15 +273,19 @@ def test_fp8_floor_catches_a_planted_bug(gpu_runs):
     assert judge(bug, floor) != [], (bug, floor)
 
 
-def _falls_back_exactly(on: dict, off: dict, reason: str) -> None:
-    """The plugin left every MLA layer to vLLM, said why, and changed nothing (bit for bit)."""
+def _falls_back(on: dict, off: dict, reason: str, floor: dict | None = None) -> None:
+    """The plugin left every MLA layer to vLLM, said why, and changed nothing: bit for bit, or
+    (``floor``) within the noise of vLLM's own path where that is not deterministic run to run."""
     s = stats(on)
     layers = on["backends"][0]["layers"]
     assert s.get("layers_vllm") == layers and not s.get("layers_fused"), s
     assert reason in on["log"]
-    assert on["tokens"] == off["tokens"]
     d = deviation(on, off)
-    assert (d["out"], d["logprob"], d["cache"]) == (0.0, 0.0, 0.0) and not d["problems"], d
+    if floor is None:
+        assert on["tokens"] == off["tokens"]
+        assert (d["out"], d["logprob"], d["cache"]) == (0.0, 0.0, 0.0) and not d["problems"], d
+    else:
+        assert token_problems(on, off) == [] and judge(d, floor) == [], d
     if not DRYRUN:
         assert _kernels(on)["fusemla_prologue"] == 0
 
@@ -290,13 +293,14 @@ def _falls_back_exactly(on: dict, off: dict, reason: str) -> None:
 @pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
 def test_fp8_cache_on_flashmla_falls_back(gpu_runs):
     """vLLM's own backend choice for an FP8 cache on Hopper is FLASHMLA, which the plugin leaves
-    to vLLM (UNVERIFIED_BACKENDS): the run is vLLM's own, bit for bit."""
+    to vLLM under full CUDA graphs (UNVERIFIED_FULL_GRAPH_BACKENDS): the run is vLLM's own,
+    bit for bit."""
     runner, report = gpu_runs
     mode = "full_and_piecewise"
     off = runner.run(_spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"))
     on = runner.run(_spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"))
     assert on["backends"][0]["backend"] == "FLASHMLA"
-    _falls_back_exactly(on, off, "the FLASHMLA decode backend")
+    _falls_back(on, off, "the FLASHMLA decode backend")
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)
@@ -315,31 +319,43 @@ def test_other_decode_backend(gpu_runs, backend):
 
 
 @pytest.mark.skipif(DRYRUN, reason="FLASHMLA is a GPU backend")
-def test_flashmla_falls_back_and_why(gpu_runs):
-    """FLASHMLA (bf16 cache) is left to vLLM: on vs off bit-identical. The runs that show why
-    (FUSEMLA_VLLM_FORCE_BACKENDS=FLASHMLA) are recorded in the report: vLLM's own FLASHMLA path
-    is deterministic run to run, so a deviation of the forced fused path is the plugin's."""
+def test_flashmla_eager_fused_bit_exact(gpu_runs):
+    """FLASHMLA (bf16 cache) without CUDA graphs: fused, and bit-identical to vLLM's own path."""
+    runner, report = gpu_runs
+    off = runner.run(_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"))
+    on = runner.run(_spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"))
+    d = deviation(on, off)
+    _record(report, f"{HALF_MODEL}/FLASHMLA/eager", d, _floor(runner, HALF_MODEL))
+    assert on["backends"][0]["backend"] == "FLASHMLA"
+    assert on["tokens"] == off["tokens"]
+    assert (d["out"], d["logprob"], d["cache"]) == (0.0, 0.0, 0.0) and not d["problems"], d
+    check_fused(on, off)
+
+
+@pytest.mark.skipif(DRYRUN, reason="FLASHMLA is a GPU backend")
+def test_flashmla_full_graphs_fall_back_and_why(gpu_runs):
+    """FLASHMLA under vLLM's default FULL_AND_PIECEWISE graphs is left to vLLM (within vLLM's
+    own run-to-run noise: its FLASHMLA full-graph path is not bit-reproducible). Why: forced
+    fused there (FUSEMLA_VLLM_FORCE_BACKENDS=FLASHMLA) it leaves the noise floor, while vLLM's
+    own FLASHMLA path is bit-reproducible in eager mode, where the fused path matches it."""
     runner, report = gpu_runs
     mode = "full_and_piecewise"
+    floor = _floor(runner, HALF_MODEL)
     off = runner.run(_spec(HALF_MODEL, "FLASHMLA-off", False, mode, backend="FLASHMLA"))
     on = runner.run(_spec(HALF_MODEL, "FLASHMLA-on", True, mode, backend="FLASHMLA"))
-    _falls_back_exactly(on, off, "the FLASHMLA decode backend")
+    _record(report, f"{HALF_MODEL}/FLASHMLA/{mode}/fallback", deviation(on, off), floor)
+    specs = {s.name: s for s in all_specs(tp2=False, groups={"backends"})}
+    forced = runner.run(specs[f"{HALF_MODEL}-FLASHMLA-forced-full"])
+    bad = deviation(forced, off)
+    _record(report, f"{HALF_MODEL}/FLASHMLA/{mode}/forced", bad, floor,
+            {"stats": stats(forced), "kernels_on": forced["kernels"]})
     off_e = runner.run(_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"))
     off2 = runner.run(_spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"))
-    floor = _floor(runner, HALF_MODEL)
-    specs = {s.name: s for s in all_specs(tp2=False, groups={"backends"})}
-    for name, ref in (("forced-eager", off_e), ("forced-dec0-eager", off_e),
-                      ("forced-full", off)):
-        try:
-            r = runner.run(specs[f"{HALF_MODEL}-FLASHMLA-{name}"])
-        except AssertionError as e:
-            report["judged"][f"{HALF_MODEL}/FLASHMLA/{name}"] = {"error": str(e)[-800:]}
-            continue
-        _record(report, f"{HALF_MODEL}/FLASHMLA/{name}", deviation(r, ref), floor,
-                {"stats": stats(r), "kernels_on": r["kernels"]})
     det = deviation(off2, off_e)
-    _record(report, f"{HALF_MODEL}/FLASHMLA/off-vs-off", det, floor)
-    assert off2["tokens"] == off_e["tokens"]
+    _record(report, f"{HALF_MODEL}/FLASHMLA/eager/off-vs-off", det, floor)
+    _falls_back(on, off, "the FLASHMLA decode backend", floor)
+    assert stats(forced)["layers_fused"] == on["backends"][0]["layers"]
+    assert judge(bad, floor) != [], bad  # the reason for the fallback: still so?
     assert (det["out"], det["logprob"], det["cache"]) == (0.0, 0.0, 0.0), det
 
 
