@@ -118,12 +118,10 @@ def worker(args) -> None:
         res = {"tpot_ms": 1e3 * dt / steps}
         if prof is not None:
             prof.__exit__(None, None, None)
-            by_name: dict = {}
-            for e in prof.events():
-                if e.device_type.name != "CUDA":
-                    continue
-                by_name[e.name] = by_name.get(e.name, 0.0) + float(e.time_range.elapsed_us())
-            res["kernel_us_per_step"] = {k: v / steps for k, v in by_name.items()}
+            from fusemla.integrations.vllm_testing import cuda_kernel_times
+
+            res["kernel_us_per_step"] = {k: us / steps
+                                         for k, (_, us) in cuda_kernel_times(prof).items()}
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()

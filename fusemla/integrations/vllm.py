@@ -439,7 +439,7 @@ def _structural_reason(w) -> str | None:
                 f"anyway, for diagnosis)")
     uses_flat = getattr(a, "_uses_flat_kv_cache", None)
     if callable(uses_flat) and uses_flat():
-        return f"the {a.attn_backend.get_name()} backend keeps a flat KV cache layout"
+        return f"the {backend} backend keeps a flat KV cache layout"
     dt = a.kv_cache_dtype
     if dt not in _PLAIN_CACHE_DTYPES and dt not in _FP8_CACHE_DTYPES:
         return f"kv_cache_dtype={dt!r} (a packed per-token layout)"

@@ -170,6 +170,17 @@ KERNEL_KEYS = {
 _prof: dict = {}
 
 
+def cuda_kernel_times(prof) -> dict[str, list]:
+    """A finished ``torch.profiler.profile``'s CUDA kernels: name -> [count, total µs]."""
+    out: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            c = out.setdefault(e.name, [0, 0.0])
+            c[0] += 1
+            c[1] += float(e.time_range.elapsed_us())
+    return out
+
+
 class FuseMLATestExtension:
     """Methods added to vLLM's worker (``self`` is the worker)."""
 
@@ -207,16 +218,13 @@ class FuseMLATestExtension:
         counts = {k: 0 for k in KERNEL_KEYS}
         times = {k: 0.0 for k in KERNEL_KEYS}
         total_n, total_us = 0, 0.0
-        for e in p.events():
-            if e.device_type.name != "CUDA":
-                continue
-            dur = float(e.time_range.elapsed_us())
-            total_n += 1
-            total_us += dur
+        for name, (n, us) in cuda_kernel_times(p).items():
+            total_n += n
+            total_us += us
             for k, frag in KERNEL_KEYS.items():
-                if frag in e.name:
-                    counts[k] += 1
-                    times[k] += dur
+                if frag in name:
+                    counts[k] += n
+                    times[k] += us
         return {"counts": counts, "us": {k: round(v, 2) for k, v in times.items()},
                 "kernels": total_n, "kernel_us": round(total_us, 2)}
 

@@ -106,7 +106,6 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     _check_formats(args, backend)
     pl = plan(args, backend, cfg)
     cfg = pl.cfg
-    n_bmm, n_rope_d, n_rope_p = pl.n_bmm, pl.n_rope_d, pl.n_rope_p
 
     w_fmt, mx_native = variant_for(args, cfg, info).kernel_flags
     w = args.w_uk_t
@@ -140,7 +139,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         p_qpo=qpo, s_qpo_t=qpo.stride(0), s_qpo_h=qpo.stride(1),
         p_kpo=kpo, s_kpo_t=kpo.stride(0),
         p_cache=cache, s_cache_b=cache.stride(0), s_cache_s=cache.stride(1),
-        N=N, D=D, n_bmm=n_bmm, n_rope_d=n_rope_d, n_rope_p=n_rope_p,
+        N=N, D=D, n_bmm=pl.n_bmm, n_rope_d=pl.n_rope_d, n_rope_p=pl.n_rope_p,
         max_pos=args.cos_cache.shape[0], num_slots=cache.shape[0] * cache.shape[1],
         block_size=cache.shape[1],
         H=H, P=P, R=R, L=L,
