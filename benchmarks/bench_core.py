@@ -43,8 +43,9 @@ BLOCK_SIZE = 64
 Q_LORA_RANK = 1536  # DeepSeek-V3 q_lora_rank: q_b_proj is [q_lora_rank, H * (P + R)]
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 KV_NAMES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4m3"}
-W_FORMATS = ("bf16", "fp8", "mxfp4")
-W_BYTES = {"bf16": 2, "fp8": 1, "mxfp4": 0.5 + 1 / 32}
+#: weight formats of the fused rows: "fp8xfp8" = FP8 weights with act_quant="fp8" (FP8 x FP8 dot)
+W_FORMATS = ("bf16", "fp8", "fp8xfp8", "mxfp4")
+W_BYTES = {"bf16": 2, "fp8": 1, "fp8xfp8": 1, "mxfp4": 0.5 + 1 / 32}
 DECODE_IMPLS = ("fused", "engine_4kernel", "unfused_compiled", "reference_eager",
                 "cublas_bmm_only")
 MIXED_IMPLS = ("fused", "fused_two_launches", "engine_4kernel", "unfused_compiled",
@@ -87,6 +88,7 @@ class Runner:
     outs: list = field(default_factory=list)
     weight: Any = None
     code_slack: int | None = None
+    ref_kw: dict = field(default_factory=dict)  # the reference's extra keywords (act_quant)
 
 
 def prologue_check(inp, r: Runner) -> Callable:
@@ -101,7 +103,8 @@ def prologue_check(inp, r: Runner) -> Callable:
         replay()
         sync(inp.q_nope.device)
         if r.code_slack is None:
-            return check_against_reference(inp, r.result, before, w_uk_t=r.weight).problems
+            return check_against_reference(inp, r.result, before, w_uk_t=r.weight,
+                                           **r.ref_kw).problems
         cache_ref = before.clone()
         out_ref = inp.run(mla_prologue_ref, kv_cache=cache_ref, w_uk_t=r.weight)
         return compare(inp, r.result, out_ref, inp.kv_cache, cache_ref, before,
@@ -221,6 +224,7 @@ def quantized(x, fmt: str):
     """This layer's W_UK_T in ``fmt`` (made once per layer); bf16 -> the plain tensor."""
     if fmt == "bf16":
         return x.w_uk_t
+    fmt = "fp8" if fmt == "fp8xfp8" else fmt  # the same weights, FP8 activations
     cache = x.extra.setdefault("qw", {})
     if fmt not in cache:
         cache[fmt] = (quantize_fp8_weight(x.w_uk_t) if fmt == "fp8"
@@ -245,15 +249,16 @@ def fused_runner(x, out, fmt="bf16", cfg=None) -> Runner:
     args = list(x.args())
     args[4] = w
     weight = None if fmt == "bf16" else w
+    ref_kw = {"act_quant": "fp8"} if fmt == "fp8xfp8" else {}
     if cfg is None:
         def run():
-            return mla_decode_prologue(*args, kv_scale=x.kv_scale, out=out)
+            return mla_decode_prologue(*args, kv_scale=x.kv_scale, out=out, **ref_kw)
     else:
-        prepared = prepare(*args, kv_scale=x.kv_scale, out=out)
+        prepared = prepare(*args, kv_scale=x.kv_scale, out=out, **ref_kw)
 
         def run():
             launch(prepared, cfg)
-    return Runner(run, out, [out], weight)
+    return Runner(run, out, [out], weight, ref_kw=ref_kw)
 
 
 def decode_runner(impl: str, x, H: int, b: Bench) -> Runner:

@@ -61,6 +61,11 @@ enough programs to fill the GPU, one value per program; best of a few grids, in 
 launch), ``fused_two_launches`` (decode tokens, then prefill tokens), ``engine_4kernel``,
 ``unfused_compiled``, ``reference_eager``.
 
+``--aiter`` (``op="decode_prologue"``, ``w_dtype="fp8xfp8"``): AMD AITER's fused FP8 kernel
+(``aiter_peer.py``; its source is carried in the git-ignored ``.peers/``, never committed) on
+the same inputs, AITER's default config and the best of 36, each checked first; rows
+``aiter_fp8_default`` / ``aiter_fp8_best``. Not in ``--smoke`` (the interpreter's bf16 bugs).
+
 ``--sweep``: times :func:`prologue_sweep.sweep_space`'s tile configs per (H, B, weight format),
 the shipped config first (``shipped: true``), each checked first; rows in ``"sweep"``; prints
 the best config per shape as a dict literal. PDL is off, as in every row but the chains.
@@ -105,6 +110,8 @@ from bench_core import (  # noqa: E402
     Runner,
     bmm_check,
     copy_bandwidth_gbps,
+    poison_,
+    quantized,
     decode_runner,
     empty_cache,
     fmt_key,
@@ -248,6 +255,79 @@ def mixed_rows(b: Bench, a) -> None:
         b.save()
 
 
+def aiter_rows(b: Bench, a) -> None:
+    """AMD AITER's fused FP8 kernel (FP8 weights, per-tensor scale, in-kernel FP8 activations)
+    on the same inputs, each config checked (``aiter_peer.check``: BMM within 8 % relative of
+    the bf16-activation reference, RoPE and cache rows within 1 ulp, untouched rows untouched)
+    on the captured graph before it is timed; rows ``aiter_fp8_default`` (AITER's own tuned
+    table) and ``aiter_fp8_best`` (best of ``aiter_peer.config_space()``), bf16 cache."""
+    import aiter_peer as ap
+
+    why = ap.available()
+    if why is not None:
+        b.skipped.append(dict(op="decode_prologue", impl="aiter_fp8", reason=why))
+        print(f"   aiter: skipped ({why})", flush=True)
+        return
+    P, R, L = b.dims["P"], b.dims["R"], b.dims["L"]
+    full = ap.config_space()
+    # above SMALL_BATCH only the 4-warp, <= 2-stage, 64/128-column tiles (the region that won
+    # there in a first sweep on this H200), to keep the run short
+    large = [c for c in full if c["num_warps"] == 4 and c["num_stages"] <= 2
+             and c["BLOCK_SIZE_N"] >= 64]
+    for H, B in itertools.product(a.heads, a.batches):
+        layers = b.inputs(B, H, torch.bfloat16, seed=1000 * H + B)
+        base = dict(op="decode_prologue", kv_dtype="bf16", H=H, B=B, w_dtype="fp8xfp8")
+        results = []
+        for cfg in [None] + (full if B <= configs.SMALL_BATCH else large):
+            key = dict(base, impl="aiter_fp8", config=cfg or "default")
+            try:
+                peers = []
+                for x in layers:
+                    w = quantized(x, "fp8")
+                    peers.append(ap.AiterPrologue(
+                        w.data, w.scale, x.q_nope, x.q_pe, x.kv_c, x.k_pe, x.positions,
+                        x.cos_cache, x.sin_cache, x.kv_cache, x.slot_mapping,
+                        kv_scale=x.kv_scale, is_neox=False, config=cfg))
+                    peers[-1]()  # compile outside the graph
+
+                def check(replay, p=peers[0], x=layers[0]):
+                    poison_(p.q_out)
+                    poison_(x.kv_cache)
+                    before = x.kv_cache.clone()
+                    replay()
+                    torch.cuda.synchronize()
+                    ref_q, ref_cache = ap.reference(p, before)
+                    return ap.check(p, ref_q, ref_cache)
+
+                us = b.time(peers, check=check, rep=250 if cfg is None else 40)
+            except CheckFailed as e:
+                b.fail(key, e.problems)
+                continue
+            except Exception as e:  # noqa: BLE001 - a config that cannot launch: skip it
+                b.sweep_skipped.append(dict(key, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            results.append((us, cfg))
+        if results:
+            nbytes = min_bytes(B, H, P, R, L, 2, 1, 2)
+            default = [r for r in results if r[1] is None]
+            best = min(results, key=lambda r: r[0])
+            for name, (us, cfg) in (("aiter_fp8_default", default[0] if default else None),
+                                    ("aiter_fp8_best", best)):
+                if us is None:
+                    continue
+                gbps = nbytes / (us * 1e-6) / 1e9
+                row = dict(base, impl=name, us=round(us, 3), gbps=round(gbps, 1),
+                           pct_copy_bw=round(100 * gbps / b.copy_bw, 1), min_bytes=int(nbytes),
+                           correct=True, config=cfg or "AITER default (gfx950 table)",
+                           configs_timed=len(results),
+                           note=f"AITER {ap.AITER_COMMIT[:12]}; FP8 W (per-tensor) x FP8 act")
+                b.rows.append(row)
+                print(f"   {fmt_key(row)}: {us:9.2f} us  {cfg}", flush=True)
+        del layers
+        empty_cache(b)
+        b.save()
+
+
 def sweep_rows(b: Bench, a) -> None:
     P, R, L = b.dims["P"], b.dims["R"], b.dims["L"]
     aborted = False
@@ -259,6 +339,7 @@ def sweep_rows(b: Bench, a) -> None:
         base_cfg = configs.launch_config(H, P, R, L, b.backend, bucket == "small",
                                          large=bucket == "large",
                                          w_format="plain" if fmt == "bf16" else fmt)
+        # (fp8xfp8 tiles fall back to fp8's until the table has their own: configs.py)
         space = sweep_space(H, B, fmt)
         if b.smoke:
             space = smoke_subset(space, b.dims)
@@ -329,6 +410,9 @@ def estimate(a, modes: set) -> str:
         n_rows += len(a.heads) * len(a.chain_batches) * 6
     if "floors" in modes:
         n_rows += 1 + 4 * len(a.heads)
+    if "aiter" in modes:
+        n_rows += 2 * len(a.heads) * len(a.batches)
+        n_sweep += 36 * len(a.heads) * len(a.batches)
     if "sweep" in modes:
         for H, B, fmt in itertools.product(a.heads, a.sweep_batches, a.sweep_formats):
             space = sweep_space(H, B, fmt)
@@ -352,6 +436,8 @@ def parse(argv=None):
     ap.add_argument("--mixed", action="store_true",
                     help="32 decode + 512 prefill tokens (op mixed_prologue)")
     ap.add_argument("--sweep", action="store_true", help="sweep fused tile configs")
+    ap.add_argument("--aiter", action="store_true",
+                    help="AMD AITER's fused FP8 kernel, default and best config (needs .peers/)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: every mode at tiny dims under TRITON_INTERPRET=1, eager timing")
     ap.add_argument("--heads", type=int, nargs="+", default=None)
@@ -373,8 +459,8 @@ def parse(argv=None):
     ap.add_argument("--plan", action="store_true",
                     help="print what the run would do (rows, compiles, sweep configs) and exit")
     a = ap.parse_args(argv)
-    modes = {m for m in ("rows", "chain", "floors", "mixed", "sweep") if getattr(a, m)}
-    if a.smoke:
+    modes = {m for m in ("rows", "chain", "floors", "mixed", "sweep", "aiter") if getattr(a, m)}
+    if a.smoke:  # not aiter: its kernel meets the interpreter's bf16 bugs (aiter_peer.py)
         modes = {"rows", "chain", "floors", "mixed", "sweep"}
     elif a.all or not modes:
         modes |= {"rows", "chain", "floors", "mixed"}
@@ -429,8 +515,8 @@ def main(argv=None) -> int:
           f"commit {b.header['commit'][:12]}  copy bandwidth {b.copy_bw:.0f} GB/s", flush=True)
     t_start = time.perf_counter()
     self_test(b)
-    sections = (("floors", floor_rows), ("rows", decode_rows), ("mixed", mixed_rows),
-                ("chain", chain_rows), ("sweep", sweep_rows))
+    sections = (("floors", floor_rows), ("rows", decode_rows), ("aiter", aiter_rows),
+                ("mixed", mixed_rows), ("chain", chain_rows), ("sweep", sweep_rows))
     for name, fn in sections:
         if name not in modes:
             continue

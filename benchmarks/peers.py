@@ -24,7 +24,6 @@ peers included, is checked against the pure-PyTorch reference, so a bug there fa
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import triton
@@ -220,20 +219,17 @@ def make_compiled_body():
     outside the timed graph here, as an engine validates at setup), so the compiled graph holds
     only the four steps an unfused engine path runs. (The JSON of commit 90e81b4 was taken with
     this body; ``prepare()`` itself keeps the batch dim dynamic since 42d3a20.)"""
-    from fusemla.ops.prologue.args import PrologueArgs
+    from fusemla.ops.prologue.args import PrologueArgs, PrologueSpec
     from fusemla.reference.prologue import prologue_into
-
-    names = frozenset(f.name for f in dataclasses.fields(PrologueArgs))
 
     def body(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
              slot_mapping, kv_scale, out, q_pe_out, k_pe_out, num_decode_tokens=None):
         D = q_nope.shape[0] if num_decode_tokens is None else num_decode_tokens
-        values = dict(q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, w_uk_t=w_uk_t,
-                      positions=positions, cos_cache=cos_cache, sin_cache=sin_cache,
-                      kv_cache=kv_cache, slot_mapping=slot_mapping, num_decode_tokens=D,
-                      is_neox=False, apply_rope=True, kv_scale=kv_scale, q_scale=None,
-                      q=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out)
-        prologue_into(PrologueArgs(**{k: v for k, v in values.items() if k in names}))
+        spec = PrologueSpec(w_uk_t=w_uk_t, cos_cache=cos_cache, sin_cache=sin_cache)
+        prologue_into(PrologueArgs(
+            spec=spec, q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, positions=positions,
+            kv_cache=kv_cache, slot_mapping=slot_mapping, num_decode_tokens=D, apply_rope=True,
+            kv_scale=kv_scale, q=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out))
         return out, q_pe_out, k_pe_out
 
     return body

@@ -28,15 +28,15 @@ LARGE_BMM = ((128, 64, 8, 2, 1), (128, 64, 8, 2, 2), (128, 128, 8, 3, 1), (128, 
 
 def sweep_space(H: int, B: int, w_format: str) -> list[dict]:
     """Override dicts to time for ``H`` heads, ``B`` decode tokens, weight format ``w_format``
-    ("bf16", "fp8" or "mxfp4"): first ``{}`` (the shipped config itself), then the grids of the
+    ("bf16", "fp8", "fp8xfp8" or "mxfp4"): first ``{}`` (the shipped config itself), then the grids of the
     H200 sweeps the shipped tiles came from (``benchmarks/results/h200_explore_v2_phase*.json``):
-    for B <= SMALL_BATCH, BLOCK_L x num_warps x (one program per item | persistent,
-    pipelined); above, the best large-batch BMM tiles x RoPE/cache tiles."""
+    for B <= SMALL_BATCH, BLOCK_L x num_warps x (one program per item with 1-3 stages |
+    persistent, pipelined); above, the best large-batch BMM tiles x RoPE/cache tiles."""
     del H, w_format  # one grid for every head count and format
     if B <= SMALL_BATCH:
         grid = [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns)
                 for bl, nw, (pps, ns) in itertools.product(
-                    (64, 128, 256), (4, 8), ((0, 2), (2, 3)))]
+                    (64, 128, 256), (4, 8), ((0, 1), (0, 2), (0, 3), (2, 3)))]
     else:
         tiles = [(t, 64, 4) for t in LARGE_BMM]
         tiles += [(t, rr, cr) for rr, cr in ((32, 4), (128, 4), (64, 8), (128, 8))

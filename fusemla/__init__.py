@@ -19,6 +19,10 @@ __version__ = "0.3.0"
 _LAZY = {
     "mla_prologue": "fusemla.ops.prologue.api",
     "mla_decode_prologue": "fusemla.ops.prologue.api",
+    "mla_prologue_step": "fusemla.ops.prologue.api",
+    "prologue_spec": "fusemla.ops.prologue.api",
+    "PrologueSpec": "fusemla.ops.prologue.args",
+    "mla_prologue_step_ref": "fusemla.reference.prologue",
     "mla_prologue_ref": "fusemla.reference.prologue",
     "mla_decode_prologue_ref": "fusemla.reference.prologue",
     "PrologueOutput": "fusemla.ops.prologue.args",
@@ -33,9 +37,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from fusemla.config import MLAConfig
     from fusemla.layers.mla import MLAAttention
     from fusemla.metadata import BatchMetadata
-    from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
-    from fusemla.ops.prologue.args import PrologueOutput
-    from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref
+    from fusemla.ops.prologue.api import (
+        mla_decode_prologue,
+        mla_prologue,
+        mla_prologue_step,
+        prologue_spec,
+    )
+    from fusemla.ops.prologue.args import PrologueOutput, PrologueSpec
+    from fusemla.reference.prologue import (
+        mla_decode_prologue_ref,
+        mla_prologue_ref,
+        mla_prologue_step_ref,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,9 +80,6 @@ from fusemla.metadata import BatchMetadata
 from fusemla.quant import QuantizedWeight, dequantize_block_fp8, prepare_w_uk_t
 from fusemla.reference.attention import gather_latents, paged_decode_attention, prefill_attention
 from fusemla.rope import rope_cache_from_hf_config, split_cos_sin_cache, yarn_get_mscale
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fusemla.ops.prologue.args import PrologueOutput
 
 Scale = float | torch.Tensor | None
 
@@ -425,31 +422,33 @@ class MLAAttention(nn.Module):
 
     def _prologue(self, q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale,
                   rope_applied) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's only RoPE and cache write: ``(q [D, H, L+R], rotated q_pe [N-D, H, R])``."""
-        from fusemla.ops.prologue.api import mla_prologue
-        from fusemla.reference.prologue import mla_prologue_ref
+        """The step's only RoPE and cache write: ``(q [D, H, L+R], rotated q_pe [N-D, H, R])``.
+
+        The layer's :class:`~fusemla.ops.prologue.args.PrologueSpec` is built per call (cheap host
+        checks; under torch.compile at trace time), so a reloaded weight is never stale; the
+        batch is cut by :func:`~fusemla.ops.prologue.halves.split_halves` (the flags)."""
+        from fusemla.ops.prologue.api import mla_prologue_step
+        from fusemla.ops.prologue.args import build_spec
+        from fusemla.ops.prologue.halves import split_halves
+        from fusemla.reference.prologue import mla_prologue_step_ref
 
         N, D = md.num_tokens, md.num_decode_tokens
-        fused_decode, fused_prefill = self.flags()
-        common = {"is_neox": self.is_neox, "rope_applied": rope_applied, "kv_scale": kv_scale}
-        w_uk_t = self.W_UK_T
-
-        def call(fn, lo: int, hi: int, num_decode_tokens: int) -> PrologueOutput:
-            s = slice(lo, hi)
-            return fn(q_nope[s], q_pe[s], kv_c[s], k_pe[s], w_uk_t, positions[s], self.cos_cache,
-                      self.sin_cache, kv_cache, md.slot_mapping[s],
-                      num_decode_tokens=num_decode_tokens, **common)
-
-        if fused_decode == fused_prefill:
-            out = call(mla_prologue if fused_decode else mla_prologue_ref, 0, N, D)
-            return out.q, out.q_pe
-        dec = pre = None
-        if D > 0:
-            dec = call(mla_prologue if fused_decode else mla_prologue_ref, 0, D, D)
-        if N > D:
-            pre = call(mla_prologue if fused_prefill else mla_prologue_ref, D, N, 0)
-        dec_q = dec.q if dec is not None else q_nope.new_empty(0, self.H, self.L + self.R)
-        pre_q_pe = pre.q_pe if pre is not None else q_pe.new_empty(0, self.H, self.R)
+        spec = build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
+        dec_q = pre_q_pe = None
+        for span in split_halves(N, D, *self.flags()).spans:
+            s = slice(span.lo, span.hi)
+            fn = mla_prologue_step if span.fused else mla_prologue_step_ref
+            out = fn(spec, q_nope[s], q_pe[s], kv_c[s], k_pe[s], positions[s], kv_cache,
+                     md.slot_mapping[s], num_decode_tokens=span.num_decode_tokens,
+                     rope_applied=rope_applied, kv_scale=kv_scale)
+            if span.num_decode_tokens > 0:
+                dec_q = out.q
+            if span.hi > span.lo + span.num_decode_tokens:
+                pre_q_pe = out.q_pe
+        if dec_q is None:
+            dec_q = q_nope.new_empty(0, self.H, self.L + self.R)
+        if pre_q_pe is None:
+            pre_q_pe = q_pe.new_empty(0, self.H, self.R)
         return dec_q, pre_q_pe
 
     def _check_activation(self, name: str, x: object, shape: tuple,

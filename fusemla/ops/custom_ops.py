@@ -4,64 +4,87 @@ The vLLM plugin registers one op of its own, ``fusemla::vllm_mla_attention``, in
 :mod:`fusemla.integrations.vllm` (it exists only where vLLM runs).
 
 ``torch.compile`` and CUDA graphs see each op as one opaque call that mutates its outputs and
-the KV cache. The public functions (:func:`fusemla.mla_prologue`) validate their arguments
-once, on the host, then either run eagerly or, while compiling, call the op registered here;
-the op's implementation does not validate again.
+the KV cache. The public functions (:func:`fusemla.mla_prologue`, :func:`fusemla.mla_prologue_step`)
+validate their arguments once, on the host, then either run eagerly or, while compiling, call the
+op registered here; the op's implementation does not validate again.
+
+The op takes a validated :class:`~fusemla.ops.prologue.args.PrologueArgs` flattened into five
+fields (:func:`pack` / :func:`unpack`, the one place that knows the order): the tensors it reads,
+the tensors it writes, its ints, its floats and the weight format.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from fusemla.ops.prologue.args import PrologueArgs, split_scale
+from fusemla.ops.prologue.args import PrologueArgs, PrologueSpec, split_scale
+
+#: the read tensors, in :func:`pack`'s order (None where absent: a plain weight's scale, float
+#: scales passed by value)
+_INS = ("q_nope", "q_pe", "kv_c", "k_pe", "w_data", "w_scale", "positions", "cos_cache",
+        "sin_cache", "slot_mapping", "kv_scale", "q_scale")
+#: the written tensors (the KV cache and the three outputs)
+_OUTS = ("kv_cache", "q", "q_pe_out", "k_pe_out")
+_ACT_QUANT_CODES = {None: 0, "fp8": 1}
 
 
-@torch.library.custom_op("fusemla::mla_prologue",
-                         mutates_args=("kv_cache", "q_out", "q_pe_out", "k_pe_out"))
-def mla_prologue_op(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-    w_data: torch.Tensor, w_scale: torch.Tensor | None, w_format: str,
-    positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int, is_neox: bool,
-    apply_rope: bool, kv_scale_tensor: torch.Tensor | None, kv_scale_value: float,
-    q_scale_tensor: torch.Tensor | None, q_scale_value: float,
-    q_out: torch.Tensor, q_pe_out: torch.Tensor, k_pe_out: torch.Tensor,
-) -> None:
-    """The fused prologue on arguments already validated by the public function."""
-    from fusemla.ops.prologue.launch import run
+def pack(args: PrologueArgs) -> tuple[list, list, list, list, str]:
+    """``(ins, outs, ints, floats, w_format)``: what the registered op takes."""
+    spec = args.spec
+    w = spec.w_uk_t
+    w_data, w_scale, w_format = ((w, None, "") if isinstance(w, torch.Tensor)
+                                 else (w.data, w.scale, w.format))
+    kv_t, kv_v = split_scale(args.kv_scale)
+    q_t, q_v = split_scale(spec.q_scale)
+    ins = [args.q_nope, args.q_pe, args.kv_c, args.k_pe, w_data, w_scale, args.positions,
+           spec.cos_cache, spec.sin_cache, args.slot_mapping, kv_t, q_t]
+    outs = [args.kv_cache, args.q, args.q_pe_out, args.k_pe_out]
+    ints = [args.num_decode_tokens, int(spec.is_neox), int(args.apply_rope),
+            _ACT_QUANT_CODES[spec.act_quant]]
+    return ins, outs, ints, [kv_v, q_v], w_format
 
+
+def unpack(ins: list, outs: list, ints: list, floats: list, w_format: str) -> PrologueArgs:
+    """The :class:`PrologueArgs` :func:`pack` flattened (already validated: not checked again)."""
+    i = dict(zip(_INS, ins))
+    o = dict(zip(_OUTS, outs))
+    num_decode_tokens, is_neox, apply_rope, act_quant = ints
+    kv_v, q_v = floats
     if w_format:
         from fusemla.quant import QuantizedWeight
 
-        w = QuantizedWeight(w_data, w_scale, w_format)
+        w = QuantizedWeight(i["w_data"], i["w_scale"], w_format)
     else:
-        w = w_data
-    run(PrologueArgs(
-        q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, w_uk_t=w, positions=positions,
-        cos_cache=cos_cache, sin_cache=sin_cache, kv_cache=kv_cache, slot_mapping=slot_mapping,
-        num_decode_tokens=num_decode_tokens, is_neox=is_neox, apply_rope=apply_rope,
-        kv_scale=kv_scale_tensor if kv_scale_tensor is not None else kv_scale_value,
-        q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale_value,
-        q=q_out, q_pe_out=q_pe_out, k_pe_out=k_pe_out,
-    ))
+        w = i["w_data"]
+    spec = PrologueSpec(
+        w_uk_t=w, cos_cache=i["cos_cache"], sin_cache=i["sin_cache"], is_neox=bool(is_neox),
+        q_out_dtype=o["q"].dtype,
+        q_scale=i["q_scale"] if i["q_scale"] is not None else q_v,
+        act_quant={c: a for a, c in _ACT_QUANT_CODES.items()}[act_quant])
+    return PrologueArgs(
+        spec=spec, q_nope=i["q_nope"], q_pe=i["q_pe"], kv_c=i["kv_c"], k_pe=i["k_pe"],
+        positions=i["positions"], kv_cache=o["kv_cache"], slot_mapping=i["slot_mapping"],
+        num_decode_tokens=num_decode_tokens, apply_rope=bool(apply_rope),
+        kv_scale=i["kv_scale"] if i["kv_scale"] is not None else kv_v,
+        q=o["q"], q_pe_out=o["q_pe_out"], k_pe_out=o["k_pe_out"])
+
+
+@torch.library.custom_op("fusemla::mla_prologue", mutates_args=("outs",))
+def mla_prologue_op(ins: list[Optional[torch.Tensor]], outs: list[torch.Tensor],
+                    ints: list[int], floats: list[float], w_format: str) -> None:
+    """The fused prologue on arguments already validated by the public function."""
+    from fusemla.ops.prologue.launch import run
+
+    run(unpack(ins, outs, ints, floats, w_format))
 
 
 @mla_prologue_op.register_fake
-def _mla_prologue_fake(q_nope, q_pe, kv_c, k_pe, w_data, w_scale, w_format, positions,
-                       cos_cache, sin_cache, kv_cache, slot_mapping, num_decode_tokens, is_neox,
-                       apply_rope, kv_scale_tensor, kv_scale_value, q_scale_tensor,
-                       q_scale_value, q_out, q_pe_out, k_pe_out) -> None:
+def _mla_prologue_fake(ins, outs, ints, floats, w_format) -> None:
     return None
 
 
 def call_mla_prologue(args: PrologueArgs) -> None:
     """Run validated arguments through the registered op (what torch.compile traces)."""
-    w = args.w_uk_t
-    w_data, w_scale, w_format = ((w, None, "") if isinstance(w, torch.Tensor)
-                                 else (w.data, w.scale, w.format))
-    kv_t, kv_v = split_scale(args.kv_scale)
-    q_t, q_v = split_scale(args.q_scale)
-    mla_prologue_op(args.q_nope, args.q_pe, args.kv_c, args.k_pe, w_data, w_scale, w_format,
-                    args.positions, args.cos_cache, args.sin_cache, args.kv_cache,
-                    args.slot_mapping, args.num_decode_tokens, args.is_neox, args.apply_rope,
-                    kv_t, kv_v, q_t, q_v, args.q, args.q_pe_out, args.k_pe_out)
+    mla_prologue_op(*pack(args))

@@ -59,6 +59,14 @@ def store_rope_halves(p_rows, y_a, y_b, m_rows, HALF: tl.constexpr, BLOCK_H: tl.
 
 
 @triton.jit
+def fp8_max(CODE: tl.constexpr):
+    """The largest finite value of FP8 format CODE (1: e4m3fn, 448; 2: e4m3fnuz, 240)."""
+    if CODE == 1:
+        return 448.0
+    return 240.0
+
+
+@triton.jit
 def round_to_fp8_grid(x, CODE: tl.constexpr):
     """Round fp32 ``x`` onto the e4m3 grid (3 mantissa bits), ties to even, saturating.
 

@@ -10,10 +10,18 @@ compiled with ``torch.compile``. It imports no kernel.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from fusemla.dtypes import FP8_DTYPES, fp8_max
-from fusemla.ops.prologue.args import PrologueArgs, PrologueOutput, Scale, prepare
+from fusemla.ops.prologue.args import (
+    PrologueArgs,
+    PrologueOutput,
+    PrologueSpec,
+    prepare,
+    prepare_step,
+)
 from fusemla.rope import apply_rope
 
 
@@ -30,13 +38,27 @@ def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtyp
     return (x.float() / scale.float()).clamp(-m, m).to(dtype)
 
 
+def quantize_activations_fp8(q_nope: torch.Tensor, dtype: torch.dtype):
+    """The FP8 activations of ``act_quant="fp8"``: one scale per (token, head) row of
+    ``q_nope [..., P]``, ``scale = amax / fp8_max`` (1.0 for an all-zero row), codes
+    ``saturate(q_nope / scale)`` rounded to nearest even. Returns ``(codes, scale [..., 1])``,
+    codes in ``dtype``, scale fp32 (IEEE fp32 divisions, as the kernel's)."""
+    a = q_nope.float()
+    amax = a.abs().amax(dim=-1, keepdim=True)
+    fmax = torch.full((), fp8_max(dtype), dtype=torch.float32, device=a.device)
+    scale = amax / fmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return quantize_fp8(a, scale, dtype), scale
+
+
 def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
     """``q_nope @ W_UK_T[h]`` per head, ``[B, H, L]``, quantizing exactly as the kernel does.
 
     Plain weights: ``torch.bmm`` in the activations' dtype (what engines run), or in fp32 when
     ``fp32`` (the result is rounded again later, e.g. to FP8). FP8 weights: ``data * scale``
-    with fp32 products and the activations as they are. MXFP4: the dequantized weight.
-    Returns ``[D, H, L]`` (decode tokens only), fp32 unless it is the plain
+    with fp32 products and the activations as they are, or with ``act_quant="fp8"`` the FP8
+    activations of :func:`quantize_activations_fp8` times their scale. MXFP4: the dequantized
+    weight. Returns ``[D, H, L]`` (decode tokens only), fp32 unless it is the plain
     activations'-dtype product.
     """
     qn = args.q_nope[: args.D].transpose(0, 1)  # [H, D, P]
@@ -46,7 +68,11 @@ def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
         return out.transpose(0, 1)
     if w.format == "mxfp4":
         return torch.bmm(qn.float(), w.dequantize(torch.float32)).transpose(0, 1)
-    out = torch.bmm(qn.float(), w.data.float())  # [H, D, L]
+    if args.act_quant == "fp8":
+        codes, a_scale = quantize_activations_fp8(qn, w.data.dtype)
+        out = torch.bmm(codes.float(), w.data.float()) * a_scale  # [H, D, L]
+    else:
+        out = torch.bmm(qn.float(), w.data.float())  # [H, D, L]
     w_scale = w.scale.float().reshape(-1, 1, 1)  # [1] or [H] -> broadcast over heads
     return (out * w_scale).transpose(0, 1)
 
@@ -116,57 +142,31 @@ def prologue_into(args: PrologueArgs) -> None:
     write_cache_rows(cache, args.slot_mapping, rows)
 
 
-def mla_prologue_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk_t: object,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    num_decode_tokens: int | None = None,
-    is_neox: bool = False,
-    rope_applied: bool = False,
-    kv_scale: Scale = None,
-    out: torch.Tensor | None = None,
-    q_pe_out: torch.Tensor | None = None,
-    k_pe_out: torch.Tensor | None = None,
-    q_out_dtype: torch.dtype | None = None,
-    q_scale: Scale = None,
-) -> PrologueOutput:
-    """Unfused reference of :func:`fusemla.mla_prologue` (same arguments and result)."""
-    args = prepare(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
-                   slot_mapping, num_decode_tokens=num_decode_tokens, is_neox=is_neox,
-                   rope_applied=rope_applied, kv_scale=kv_scale, out=out, q_pe_out=q_pe_out,
-                   k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale)
-    prologue_into(args)
-    return args.outputs
+def mla_prologue_ref(*args, **kwargs) -> PrologueOutput:
+    """Unfused reference of :func:`fusemla.mla_prologue`: the same arguments (checked by the
+    same :func:`~fusemla.ops.prologue.args.prepare`) and the same result."""
+    a = prepare(*args, **kwargs)
+    prologue_into(a)
+    return a.outputs
 
 
-def mla_decode_prologue_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk_t: object,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    is_neox: bool = False,
-    rope_applied: bool = False,
-    kv_scale: Scale = None,
-    out: torch.Tensor | None = None,
-    q_out_dtype: torch.dtype | None = None,
-    q_scale: Scale = None,
-) -> torch.Tensor:
-    """:func:`mla_prologue_ref` for an all-decode batch; returns ``q [N, H, L + R]``."""
-    return mla_prologue_ref(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
-                            kv_cache, slot_mapping, is_neox=is_neox, rope_applied=rope_applied,
-                            kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale).q
+def mla_prologue_step_ref(spec: PrologueSpec, *args, **kwargs) -> PrologueOutput:
+    """Unfused reference of :func:`fusemla.mla_prologue_step` (same arguments and result)."""
+    a = prepare_step(spec, *args, **kwargs)
+    prologue_into(a)
+    return a.outputs
+
+
+def mla_decode_prologue_ref(*args, **kwargs) -> torch.Tensor:
+    """:func:`mla_prologue_ref` for an all-decode batch (``num_decode_tokens`` is not taken);
+    returns ``q [N, H, L + R]``."""
+    if "num_decode_tokens" in kwargs:
+        raise TypeError("mla_decode_prologue_ref() got an unexpected keyword argument "
+                        "'num_decode_tokens'")
+    return mla_prologue_ref(*args, **kwargs).q
+
+
+mla_prologue_ref.__signature__ = inspect.signature(prepare).replace(
+    return_annotation=PrologueOutput)
+mla_prologue_step_ref.__signature__ = inspect.signature(prepare_step).replace(
+    return_annotation=PrologueOutput)

@@ -129,3 +129,75 @@ def test_quantized_weight_and_fp8_query_under_torch_compile(device):
     q = torch.compile(fn, fullgraph=True, backend=backend)(*args)
     assert torch.equal(q.view(torch.uint8), q_eager.view(torch.uint8))
     assert torch.equal(inp.kv_cache.view(torch.uint8), cache_eager.view(torch.uint8))
+
+
+@pytest.mark.parametrize("B,D", [(1, 1), (3, 3), (40, 23)], ids=lambda x: str(x))
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_activations(device, dtype, fmt, B, D):
+    """act_quant="fp8": the kernel's FP8 x FP8 BMM against a reference that quantizes the
+    activations the same way (per token and head), every cache byte, FP8 cache at B=3."""
+    inp = make_inputs(B, **_dims(device, 4), dtype=dtype, kv_dtype=FP8 if B == 3 else None,
+                      pad_fraction=0.25 if B > 1 else 0.0, device=device, num_decode_tokens=D,
+                      generator=_gen("act", dtype, fmt, B, D))
+    qw = _quantize(inp.w_uk_t, fmt)
+    run_and_compare(mla_prologue, inp, w_uk_t=qw, act_quant="fp8").assert_ok()
+
+
+def test_fp8_activations_quantize_per_token_and_head(device):
+    """The activations really are FP8 (the result differs from bf16 activations by the size an
+    FP8 rounding makes, measured: TOL["act_fp8_rel_l2"]); one token's scale does not leak into
+    another's (a token 1000x larger leaves the others' results as they were); an all-zero row
+    gives zeros, not NaN; an FP8 query output works on top."""
+    from fusemla.reference.prologue import mla_prologue_ref
+
+    inp = make_inputs(6, **_dims(device, 4), device=device, generator=_gen("act-scale"))
+    qw = _quantize(inp.w_uk_t, "fp8-head")
+    args = list(inp.args())
+    args[4] = qw
+    q_bf16_act = mla_decode_prologue(*args, kv_scale=inp.kv_scale)
+    q_fp8_act = mla_decode_prologue(*args, kv_scale=inp.kv_scale, act_quant="fp8")
+    L = inp.kv_c.shape[1]
+    err = rel_err(q_fp8_act[..., :L].float().cpu(), q_bf16_act[..., :L].float().cpu())
+    assert 1e-3 < err < TOL["act_fp8_rel_l2"], err  # quantized, and no worse than FP8 rounding
+    assert torch.equal(q_fp8_act[..., L:], q_bf16_act[..., L:])  # the RoPE half is untouched
+    # per token: scale token 2 up by 1000 and zero token 4; the other tokens do not move
+    qn = inp.q_nope.clone()
+    qn[2] *= 1000
+    qn[4] = 0
+    args2 = list(args)
+    args2[0] = qn
+    q2 = mla_decode_prologue(*args2, kv_scale=inp.kv_scale, act_quant="fp8")
+    for t in (0, 1, 3, 5):
+        assert torch.equal(q2[t], q_fp8_act[t]), t
+    assert torch.equal(q2[4, :, :L], torch.zeros_like(q2[4, :, :L]))
+    big = mla_prologue_ref(*args2, kv_scale=inp.kv_scale, act_quant="fp8").q
+    assert torch.isfinite(q2.float()).all()
+    assert rel_err(q2[2].float().cpu(), big[2].float().cpu()) < 1e-2
+    # FP8 query output on top of FP8 activations
+    q_scale = torch.tensor([0.05], device=device)
+    run_and_compare(mla_prologue, inp, w_uk_t=qw, act_quant="fp8", q_out_dtype=FP8,
+                    q_scale=q_scale).assert_ok()
+
+
+def test_fp8_activations_under_torch_compile(device):
+    """act_quant travels through the registered op: compiled equals eager, byte for byte."""
+    inp = make_inputs(5, **_dims(device, 2), device=device, num_decode_tokens=3,
+                      generator=_gen("act-compile"))
+    qw = _quantize(inp.w_uk_t, "fp8-tensor")
+    args = list(inp.args())
+    args[4] = qw
+    cache_eager = inp.kv_cache.clone()
+    eager_args = list(args)
+    eager_args[8] = cache_eager
+    eager = mla_prologue(*eager_args, num_decode_tokens=3, act_quant="fp8")
+
+    def fn(*a):
+        return mla_prologue(*a, num_decode_tokens=3, act_quant="fp8")
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    assert torch.equal(inp.kv_cache.view(torch.uint8), cache_eager.view(torch.uint8))

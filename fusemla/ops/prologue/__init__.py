@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_PUBLIC = ("mla_prologue", "mla_decode_prologue")
+_PUBLIC = ("mla_prologue", "mla_decode_prologue", "mla_prologue_step", "prologue_spec")
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,9 @@
-"""Public entry points of the fused prologue: :func:`mla_prologue` and its all-decode alias."""
+"""Public entry points of the fused prologue.
+
+:func:`prologue_spec` checks a layer's fixed arguments once (weights, RoPE tables, query
+format) and :func:`mla_prologue_step` runs one step on it: what an engine calls. :func:`mla_prologue`
+takes everything in one call (built on the two) and :func:`mla_decode_prologue` is its
+all-decode alias."""
 
 from __future__ import annotations
 
@@ -6,7 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fusemla.ops.prologue.args import PrologueOutput, Scale, prepare
+from fusemla.ops.prologue.args import (
+    PrologueArgs,
+    PrologueOutput,
+    PrologueSpec,
+    Scale,
+    build_spec,
+    prepare,
+    prepare_step,
+)
 from fusemla.ops.prologue.launch import run
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,6 +47,7 @@ def mla_prologue(
     k_pe_out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
+    act_quant: str | None = None,
 ) -> PrologueOutput:
     """Fused MLA prologue for a decode-first batch, in one kernel launch.
 
@@ -59,6 +73,10 @@ def mla_prologue(
       then used as given (never rotated twice).
     - ``q_out_dtype``: None (the activations' dtype) or an FP8 dtype, with ``q_scale``: both
       halves of the decode query are stored as ``saturate(q / q_scale)``.
+    - ``act_quant``: None, or ``"fp8"`` with FP8 weights: the decode tokens' ``q_nope`` is
+      quantized in the kernel to the weight's FP8 format, one scale per (token, head)
+      (``amax / fp8_max`` over its P values), and the BMM runs FP8 x FP8 on the tensor cores.
+      It changes the numbers (see the README's FP8 section), so it is never chosen for you.
 
     Every token: cache row ``slot`` = ``[kv_c, rope(k_pe)]`` (FP8: ``saturate(x / kv_scale)``,
     rounded to nearest even). Decode tokens: ``q[t] = [q_nope[t] @ w_uk_t[h], rope(q_pe[t])]``.
@@ -75,10 +93,61 @@ def mla_prologue(
     ``FUSEMLA_DEBUG_CHECKS=1``. Registered as ``torch.ops.fusemla.mla_prologue``: traceable by
     ``torch.compile(fullgraph=True)`` and capturable in CUDA graphs.
     """
-    args = prepare(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
-                   slot_mapping, num_decode_tokens=num_decode_tokens, is_neox=is_neox,
-                   rope_applied=rope_applied, kv_scale=kv_scale, out=out, q_pe_out=q_pe_out,
-                   k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale)
+    return _execute(prepare(
+        q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
+        slot_mapping, num_decode_tokens=num_decode_tokens, is_neox=is_neox,
+        rope_applied=rope_applied, kv_scale=kv_scale, out=out, q_pe_out=q_pe_out,
+        k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale, act_quant=act_quant))
+
+
+def prologue_spec(
+    w_uk_t: torch.Tensor | QuantizedWeight,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = False,
+    q_out_dtype: torch.dtype | None = None,
+    q_scale: Scale = None,
+    act_quant: str | None = None,
+) -> PrologueSpec:
+    """A layer's fixed prologue arguments, checked once, for :func:`mla_prologue_step`.
+
+    The arguments mean what they mean in :func:`mla_prologue`. The spec holds references, not
+    copies: update a weight or RoPE table in place, or build a new spec. A ``q_scale`` tensor is
+    read on the device at every step (CUDA-graph safe).
+    """
+    return build_spec(w_uk_t, cos_cache, sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
+                      q_scale=q_scale, act_quant=act_quant)
+
+
+def mla_prologue_step(
+    spec: PrologueSpec,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_decode_tokens: int | None = None,
+    rope_applied: bool = False,
+    kv_scale: Scale = None,
+    out: torch.Tensor | None = None,
+    q_pe_out: torch.Tensor | None = None,
+    k_pe_out: torch.Tensor | None = None,
+) -> PrologueOutput:
+    """One step of the fused prologue on a layer's :func:`prologue_spec`: the per-step
+    arguments of :func:`mla_prologue` (same meaning, same result), with only these checked at
+    every call."""
+    return _execute(prepare_step(
+        spec, q_nope, q_pe, kv_c, k_pe, positions, kv_cache, slot_mapping,
+        num_decode_tokens=num_decode_tokens, rope_applied=rope_applied, kv_scale=kv_scale,
+        out=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out))
+
+
+def _execute(args: PrologueArgs) -> PrologueOutput:
+    """Run validated arguments: eagerly, or through the registered op while compiling."""
     if torch.compiler.is_compiling():
         from fusemla.ops.custom_ops import call_mla_prologue
 
@@ -106,8 +175,10 @@ def mla_decode_prologue(
     out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
+    act_quant: str | None = None,
 ) -> torch.Tensor:
     """:func:`mla_prologue` for an all-decode batch; returns ``q [N, H, L + R]``."""
     return mla_prologue(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
                         kv_cache, slot_mapping, is_neox=is_neox, rope_applied=rope_applied,
-                        kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale).q
+                        kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale,
+                        act_quant=act_quant).q

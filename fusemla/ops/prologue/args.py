@@ -43,29 +43,105 @@ class PrologueOutput(NamedTuple):
     k_pe: torch.Tensor
 
 
+#: the activation quantizations a spec may ask for (None: the dot runs in the activations' dtype)
+ACT_QUANTS = (None, "fp8")
+
+
+@dataclass(frozen=True, eq=False)
+class PrologueSpec:
+    """The per-layer half of the prologue's arguments, checked once by :func:`build_spec`.
+
+    ``w_uk_t``: ``[H, P, L]`` in the activations' dtype or a
+    :class:`fusemla.quant.QuantizedWeight`; ``cos_cache`` / ``sin_cache``: ``[max_position, R/2]``;
+    ``is_neox``: the RoPE pairing; ``q_out_dtype`` / ``q_scale``: the decode query's format
+    (None: the activations' dtype); ``act_quant``: None, or ``"fp8"``: the decode tokens' q_nope
+    is quantized in the kernel to the weight's FP8 format with one scale per (token, head)
+    (``amax / fp8_max`` over its P values) and the BMM runs FP8 x FP8 (FP8 weights only).
+    An engine builds one per layer and calls :func:`fusemla.mla_prologue_step` at every step.
+    """
+
+    w_uk_t: object
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    is_neox: bool = False
+    q_out_dtype: torch.dtype | None = None
+    q_scale: Scale = None
+    act_quant: str | None = None
+
+    @property
+    def H(self) -> int:
+        return self.w_uk_t.shape[0]
+
+    @property
+    def P(self) -> int:
+        return self.w_uk_t.shape[1]
+
+    @property
+    def L(self) -> int:
+        return self.w_uk_t.shape[2]
+
+    @property
+    def R(self) -> int:
+        return 2 * self.cos_cache.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.cos_cache.device
+
+    @property
+    def weight_format(self) -> str:
+        """"plain", "fp8" or "mxfp4"."""
+        return "plain" if isinstance(self.w_uk_t, torch.Tensor) else self.w_uk_t.format
+
+    @property
+    def act_dtype(self) -> torch.dtype | None:
+        """The activations' dtype the weight fixes (plain weights), else None (bf16 or fp16)."""
+        return self.w_uk_t.dtype if isinstance(self.w_uk_t, torch.Tensor) else None
+
+
 @dataclass
 class PrologueArgs:
-    """Validated, normalized arguments and outputs (``k_pe`` always ``[N, R]``; ``w_uk_t`` a
-    tensor in the activations' dtype or a :class:`fusemla.quant.QuantizedWeight`)."""
+    """One step's validated arguments and outputs on top of a :class:`PrologueSpec`
+    (``k_pe`` always ``[N, R]``)."""
 
+    spec: PrologueSpec
     q_nope: torch.Tensor
     q_pe: torch.Tensor
     kv_c: torch.Tensor
     k_pe: torch.Tensor
-    w_uk_t: object
     positions: torch.Tensor
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor
     num_decode_tokens: int  # D: tokens [0, D) decode, [D, N) prefill
-    is_neox: bool
     apply_rope: bool  # False: the caller already rotated q_pe and k_pe (rope_applied=True)
     kv_scale: Scale
-    q_scale: Scale
     q: torch.Tensor  # [D, H, L + R] output
     q_pe_out: torch.Tensor  # [N - D, H, R] output
     k_pe_out: torch.Tensor  # [N - D, R] output
+
+    @property
+    def w_uk_t(self) -> object:
+        return self.spec.w_uk_t
+
+    @property
+    def cos_cache(self) -> torch.Tensor:
+        return self.spec.cos_cache
+
+    @property
+    def sin_cache(self) -> torch.Tensor:
+        return self.spec.sin_cache
+
+    @property
+    def is_neox(self) -> bool:
+        return self.spec.is_neox
+
+    @property
+    def q_scale(self) -> Scale:
+        return self.spec.q_scale
+
+    @property
+    def act_quant(self) -> str | None:
+        return self.spec.act_quant
 
     @property
     def B(self) -> int:
@@ -158,25 +234,103 @@ def split_scale(scale: Scale) -> tuple[torch.Tensor | None, float]:
     return None, 1.0 if scale is None else float(scale)
 
 
-def _weight(w_uk_t: object, H: int, P: int, L: int, act: torch.dtype) -> object:
-    """W_UK_T: a [H, P, L] tensor in the activations' dtype, or a QuantizedWeight."""
+def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype | None) -> object:
+    """W_UK_T: a [H, P, L] tensor (in the activations' dtype ``act`` where known), or a
+    QuantizedWeight; ``dims`` (H, P, L) where the activations fixed them already."""
     from fusemla.quant import QuantizedWeight
 
+    H, P, L = dims if dims is not None else ("H", "P", "L")
     if isinstance(w_uk_t, QuantizedWeight):
-        if tuple(w_uk_t.shape) != (H, P, L):
+        if dims is not None and tuple(w_uk_t.shape) != dims:
             raise FuseMLAValueError(
                 f"w_uk_t: expected a quantized weight of shape [H={H}, P={P}, L={L}], got "
                 f"format {w_uk_t.format!r} with shape {tuple(w_uk_t.shape)}"
             )
         return w_uk_t
     w_uk_t = _tensor("w_uk_t", w_uk_t)
-    _shape("w_uk_t", w_uk_t, (H, P, L), lambda: f"[H={H}, P={P}, L={L}]")
-    if w_uk_t.dtype != act:
+    if dims is None:
+        if w_uk_t.dim() != 3 or 0 in w_uk_t.shape:
+            raise FuseMLAValueError(f"w_uk_t: expected shape [H, P, L], got {describe(w_uk_t)}")
+        _dtype("w_uk_t", w_uk_t, ACT_DTYPES,
+               " (the activations' dtype) or a fusemla.quant.QuantizedWeight")
+    else:
+        _shape("w_uk_t", w_uk_t, dims, lambda: f"[H={H}, P={P}, L={L}]")
+    if act is not None and w_uk_t.dtype != act:
         raise FuseMLATypeError(
             f"w_uk_t: expected dtype {act} (the activations' dtype) or a "
             f"fusemla.quant.QuantizedWeight, got {describe(w_uk_t)}"
         )
+    _last_contiguous("w_uk_t", w_uk_t)
     return w_uk_t
+
+
+def build_spec(
+    w_uk_t: object,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = False,
+    q_out_dtype: torch.dtype | None = None,
+    q_scale: Scale = None,
+    act_quant: str | None = None,
+    _dims: tuple[int, int, int, int] | None = None,
+    _act: torch.dtype | None = None,
+) -> PrologueSpec:
+    """Check the per-layer arguments once and return the :class:`PrologueSpec` the per-step
+    call takes (see :func:`fusemla.prologue_spec`). ``_dims`` (H, P, L, R) and ``_act`` are
+    what :func:`prepare` already read off the activations, so its errors name the argument
+    that disagrees with them."""
+    w_dims = _dims[:3] if _dims is not None else None
+    w_uk_t = _weight(w_uk_t, w_dims, _act)
+    if not isinstance(is_neox, bool):
+        raise FuseMLATypeError(f"is_neox: expected a bool, got {describe(is_neox)}")
+    half = _dims[3] // 2 if _dims is not None else None
+    what_r = f"R/2={half}" if half is not None else "R/2"
+    cos_cache = _tensor("cos_cache", cos_cache)
+    sin_cache = _tensor("sin_cache", sin_cache)
+    _shape("cos_cache", cos_cache, (None, half), lambda: f"[max_position, {what_r}]")
+    _shape("sin_cache", sin_cache, tuple(cos_cache.shape),
+           lambda: f"[max_position={cos_cache.shape[0]}, R/2={cos_cache.shape[1]}] "
+                   "(like cos_cache)")
+    if cos_cache.shape[0] == 0 or cos_cache.shape[1] == 0:
+        raise FuseMLAValueError(
+            f"cos_cache: expected at least one position and R/2 > 0, got {describe(cos_cache)}")
+    _dtype("cos_cache", cos_cache, ROPE_DTYPES)
+    _dtype("sin_cache", sin_cache, ROPE_DTYPES)
+    for name, x in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        _last_contiguous(name, x)
+
+    act = _act or (w_uk_t.dtype if isinstance(w_uk_t, torch.Tensor) else None)
+    if q_out_dtype is not None and q_out_dtype not in FP8_DTYPES and (
+            q_out_dtype not in ACT_DTYPES or (act is not None and q_out_dtype != act)):
+        allowed = f"None, {act} or an FP8 dtype" if act is not None else \
+            "None, the activations' dtype or an FP8 dtype"
+        raise FuseMLATypeError(f"q_out_dtype: expected {allowed}, got {q_out_dtype!r}")
+    q_fp8 = q_out_dtype in FP8_DTYPES
+    q_scale = check_scale("q_scale", q_scale, f"q_out_dtype={q_out_dtype}" if q_fp8 else None)
+
+    if act_quant not in ACT_QUANTS:
+        raise FuseMLAValueError(f"act_quant: expected None or 'fp8', got {act_quant!r}")
+    w_format = "plain" if isinstance(w_uk_t, torch.Tensor) else w_uk_t.format
+    if act_quant == "fp8" and w_format != "fp8":
+        raise FuseMLAValueError(
+            "act_quant: 'fp8' (an FP8 x FP8 BMM) needs FP8 weights (a QuantizedWeight of "
+            f"format 'fp8', e.g. fusemla.quant.quantize_fp8_weight), got w_uk_t of format "
+            f"{w_format!r}")
+
+    device = cos_cache.device
+    w_parts = ([("w_uk_t", w_uk_t)] if isinstance(w_uk_t, torch.Tensor)
+               else [("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)])
+    named = [*w_parts, ("sin_cache", sin_cache)]
+    if isinstance(q_scale, torch.Tensor):
+        named.append(("q_scale", q_scale))
+    for name, x in named:
+        if x.device != device:
+            raise FuseMLATypeError(
+                f"{name}: expected device {device} (like cos_cache), got {describe(x)}")
+    return PrologueSpec(w_uk_t=w_uk_t, cos_cache=cos_cache, sin_cache=sin_cache,
+                        is_neox=is_neox, q_out_dtype=q_out_dtype, q_scale=q_scale,
+                        act_quant=act_quant)
 
 
 def _num_decode_tokens(value: object, N: int) -> int:
@@ -205,6 +359,136 @@ def _output(name: str, x: torch.Tensor | None, shape: tuple, what: Callable[[], 
     return x
 
 
+def _activations(q_nope: object, q_pe: object, kv_c: object, k_pe: object):
+    """The activations' first checks: (q_nope, q_pe, kv_c, k_pe [N, R]) and their dims
+    (N, H, P, L, R) and dtype, each named when it disagrees with q_nope."""
+    q_nope = _tensor("q_nope", q_nope)
+    if q_nope.dim() != 3:
+        raise FuseMLAValueError(f"q_nope: expected shape [N, H, P], got {describe(q_nope)}")
+    _dtype("q_nope", q_nope, ACT_DTYPES)
+    B, H, P = q_nope.shape
+    q_pe = _tensor("q_pe", q_pe)
+    if q_pe.dim() != 3:
+        raise FuseMLAValueError(f"q_pe: expected shape [N={B}, H={H}, R], got {describe(q_pe)}")
+    R = q_pe.shape[2]
+    _shape("q_pe", q_pe, (B, H, R), lambda: f"[N={B}, H={H}, R]")
+    if R % 2 != 0 or R == 0:
+        raise FuseMLAValueError(f"q_pe: the rope dim R must be even and > 0, got {describe(q_pe)}")
+    kv_c = _tensor("kv_c", kv_c)
+    if kv_c.dim() != 2:
+        raise FuseMLAValueError(f"kv_c: expected shape [N={B}, L], got {describe(kv_c)}")
+    L = kv_c.shape[1]
+    _shape("kv_c", kv_c, (B, L), lambda: f"[N={B}, L]")
+    k_pe = _tensor("k_pe", k_pe)
+    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+        k_pe = k_pe[:, 0]
+    _shape("k_pe", k_pe, (B, R), lambda: f"[N={B}, R={R}] or [N={B}, 1, R={R}]")
+    return q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R)
+
+
+def prepare_step(
+    spec: PrologueSpec,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_decode_tokens: int | None = None,
+    rope_applied: bool = False,
+    kv_scale: Scale = None,
+    out: torch.Tensor | None = None,
+    q_pe_out: torch.Tensor | None = None,
+    k_pe_out: torch.Tensor | None = None,
+) -> PrologueArgs:
+    """Check one step's arguments against ``spec`` and allocate the outputs not given.
+
+    Raises :class:`~fusemla.errors.FuseMLAValueError` / :class:`~fusemla.errors.FuseMLATypeError`
+    naming the argument, before any launch or write.
+    """
+    if not isinstance(spec, PrologueSpec):
+        raise FuseMLATypeError(
+            f"spec: expected a PrologueSpec (fusemla.prologue_spec(...)), got {describe(spec)}")
+    q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R) = _activations(q_nope, q_pe, kv_c, k_pe)
+    act = q_nope.dtype
+    device = q_nope.device
+    sH, sP, sL, sR = spec.H, spec.P, spec.L, spec.R
+    if (H, P) != (sH, sP):
+        raise FuseMLAValueError(f"q_nope: expected shape [N, H={sH}, P={sP}] (the spec's "
+                                f"w_uk_t), got {describe(q_nope)}")
+    if R != sR:
+        raise FuseMLAValueError(f"q_pe: expected shape [N={B}, H={H}, R={sR}] (the spec's "
+                                f"RoPE tables hold R/2={sR // 2}), got {describe(q_pe)}")
+    if L != sL:
+        raise FuseMLAValueError(f"kv_c: expected shape [N={B}, L={sL}] (the spec's w_uk_t), "
+                                f"got {describe(kv_c)}")
+    for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
+        if x.dtype != act:
+            raise FuseMLATypeError(f"{name}: expected dtype {act} (like q_nope), got {describe(x)}")
+    if spec.act_dtype is not None and spec.act_dtype != act:
+        raise FuseMLATypeError(f"q_nope: expected dtype {spec.act_dtype} (the spec's w_uk_t), "
+                               f"got {describe(q_nope)}")
+    if spec.q_out_dtype in ACT_DTYPES and spec.q_out_dtype != act:
+        raise FuseMLATypeError(f"q_nope: expected dtype {spec.q_out_dtype} (the spec's "
+                               f"q_out_dtype), got {describe(q_nope)}")
+    D = _num_decode_tokens(num_decode_tokens, B)
+    if not isinstance(rope_applied, bool):
+        raise FuseMLATypeError(f"rope_applied: expected a bool, got {describe(rope_applied)}")
+
+    positions = _tensor("positions", positions)
+    _shape("positions", positions, (B,), lambda: f"[N={B}]")
+    _dtype("positions", positions, INDEX_DTYPES)
+
+    kv_cache = _tensor("kv_cache", kv_cache)
+    _shape("kv_cache", kv_cache, (None, None, L + R),
+           lambda: f"[num_blocks, block_size, L+R={L + R}]")
+    if kv_cache.dtype == torch.uint8:
+        raise FuseMLATypeError(
+            "kv_cache: a uint8 cache must be viewed as its FP8 type first "
+            f"(kv_cache.view(torch.float8_e4m3fn)), got {describe(kv_cache)}"
+        )
+    _dtype("kv_cache", kv_cache, CACHE_DTYPES)
+
+    slot_mapping = _tensor("slot_mapping", slot_mapping)
+    _shape("slot_mapping", slot_mapping, (B,), lambda: f"[N={B}]")
+    _dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+
+    q_dtype = spec.q_out_dtype or act
+    q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype,
+                q_nope)
+    q_pe_out = _output("q_pe_out", q_pe_out, (B - D, H, R),
+                       lambda: f"[N-D={B - D}, H={H}, R={R}]", act, q_nope)
+    k_pe_out = _output("k_pe_out", k_pe_out, (B - D, R), lambda: f"[N-D={B - D}, R={R}]", act,
+                       q_nope)
+
+    kv_fp8 = kv_cache.dtype in FP8_DTYPES
+    kv_scale = check_scale("kv_scale", kv_scale,
+                           f"an FP8 kv_cache ({kv_cache.dtype})" if kv_fp8 else None)
+
+    named = [("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), ("positions", positions),
+             ("kv_cache", kv_cache), ("slot_mapping", slot_mapping), ("out", q),
+             ("q_pe_out", q_pe_out), ("k_pe_out", k_pe_out), ("spec", spec.cos_cache)]
+    if isinstance(kv_scale, torch.Tensor):
+        named.append(("kv_scale", kv_scale))
+    for name, x in named:
+        if x.device != device:
+            what = "the spec's tensors (cos_cache)" if name == "spec" else name
+            raise FuseMLATypeError(
+                f"{what}: expected device {device} (like q_nope), got {describe(x)}"
+            )
+    for name, x in [("q_nope", q_nope)] + named[:-1]:
+        if x.dim() > 1:
+            _last_contiguous(name, x)
+    return PrologueArgs(
+        spec=spec, q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, positions=positions,
+        kv_cache=kv_cache, slot_mapping=slot_mapping, num_decode_tokens=D,
+        apply_rope=not rope_applied, kv_scale=kv_scale, q=q, q_pe_out=q_pe_out,
+        k_pe_out=k_pe_out,
+    )
+
+
 def prepare(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -226,119 +510,21 @@ def prepare(
     k_pe_out: torch.Tensor | None = None,
     q_out_dtype: torch.dtype | None = None,
     q_scale: Scale = None,
+    act_quant: str | None = None,
 ) -> PrologueArgs:
-    """Check every argument of :func:`fusemla.mla_prologue` and allocate the outputs not given.
+    """Check every argument of :func:`fusemla.mla_prologue` (the per-layer ones into a
+    :class:`PrologueSpec`, then the step's) and allocate the outputs not given.
 
-    Raises :class:`~fusemla.errors.FuseMLAValueError` / :class:`~fusemla.errors.FuseMLATypeError`
-    naming the argument, before any launch or write.
+    The activations are read first, so an error names the per-layer argument that disagrees
+    with them (``w_uk_t``, ``cos_cache``, ...). Raises before any launch or write.
     """
-    q_nope = _tensor("q_nope", q_nope)
-    if q_nope.dim() != 3:
-        raise FuseMLAValueError(f"q_nope: expected shape [N, H, P], got {describe(q_nope)}")
-    _dtype("q_nope", q_nope, ACT_DTYPES)
-    B, H, P = q_nope.shape
-    act = q_nope.dtype
-    device = q_nope.device
-    D = _num_decode_tokens(num_decode_tokens, B)
-
-    q_pe = _tensor("q_pe", q_pe)
-    if q_pe.dim() != 3:
-        raise FuseMLAValueError(f"q_pe: expected shape [N={B}, H={H}, R], got {describe(q_pe)}")
-    R = q_pe.shape[2]
-    _shape("q_pe", q_pe, (B, H, R), lambda: f"[N={B}, H={H}, R]")
-    if R % 2 != 0 or R == 0:
-        raise FuseMLAValueError(f"q_pe: the rope dim R must be even and > 0, got {describe(q_pe)}")
-
-    kv_c = _tensor("kv_c", kv_c)
-    if kv_c.dim() != 2:
-        raise FuseMLAValueError(f"kv_c: expected shape [N={B}, L], got {describe(kv_c)}")
-    L = kv_c.shape[1]
-    _shape("kv_c", kv_c, (B, L), lambda: f"[N={B}, L]")
-
-    k_pe = _tensor("k_pe", k_pe)
-    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
-        k_pe = k_pe[:, 0]
-    _shape("k_pe", k_pe, (B, R), lambda: f"[N={B}, R={R}] or [N={B}, 1, R={R}]")
-
-    w_uk_t = _weight(w_uk_t, H, P, L, act)
-
-    positions = _tensor("positions", positions)
-    _shape("positions", positions, (B,), lambda: f"[N={B}]")
-    _dtype("positions", positions, INDEX_DTYPES)
-
-    cos_cache = _tensor("cos_cache", cos_cache)
-    sin_cache = _tensor("sin_cache", sin_cache)
-    _shape("cos_cache", cos_cache, (None, R // 2), lambda: f"[max_position, R/2={R // 2}]")
-    _shape("sin_cache", sin_cache, (cos_cache.shape[0], R // 2),
-           lambda: f"[max_position={cos_cache.shape[0]}, R/2={R // 2}] (like cos_cache)")
-    if cos_cache.shape[0] == 0:
-        raise FuseMLAValueError(
-            f"cos_cache: expected at least one position, got {describe(cos_cache)}")
-    _dtype("cos_cache", cos_cache, ROPE_DTYPES)
-    _dtype("sin_cache", sin_cache, ROPE_DTYPES)
-
-    kv_cache = _tensor("kv_cache", kv_cache)
-    _shape("kv_cache", kv_cache, (None, None, L + R),
-           lambda: f"[num_blocks, block_size, L+R={L + R}]")
-    if kv_cache.dtype == torch.uint8:
-        raise FuseMLATypeError(
-            "kv_cache: a uint8 cache must be viewed as its FP8 type first "
-            f"(kv_cache.view(torch.float8_e4m3fn)), got {describe(kv_cache)}"
-        )
-    _dtype("kv_cache", kv_cache, CACHE_DTYPES)
-
-    slot_mapping = _tensor("slot_mapping", slot_mapping)
-    _shape("slot_mapping", slot_mapping, (B,), lambda: f"[N={B}]")
-    _dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-
-    for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
-        if x.dtype != act:
-            raise FuseMLATypeError(f"{name}: expected dtype {act} (like q_nope), got {describe(x)}")
-
-    q_dtype = act if q_out_dtype is None else q_out_dtype
-    if q_dtype not in (act,) + FP8_DTYPES:
-        raise FuseMLATypeError(
-            f"q_out_dtype: expected None, {act} or an FP8 dtype, got {q_out_dtype!r}"
-        )
-    q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype,
-                q_nope)
-    q_pe_out = _output("q_pe_out", q_pe_out, (B - D, H, R),
-                       lambda: f"[N-D={B - D}, H={H}, R={R}]",
-                       act, q_nope)
-    k_pe_out = _output("k_pe_out", k_pe_out, (B - D, R), lambda: f"[N-D={B - D}, R={R}]", act,
-                       q_nope)
-
-    kv_fp8 = kv_cache.dtype in FP8_DTYPES
-    kv_scale = check_scale("kv_scale", kv_scale,
-                           f"an FP8 kv_cache ({kv_cache.dtype})" if kv_fp8 else None)
-    q_fp8 = q_dtype in FP8_DTYPES
-    q_scale = check_scale("q_scale", q_scale, f"q_out_dtype={q_dtype}" if q_fp8 else None)
-
-    w_parts = ([("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)]
-               if not isinstance(w_uk_t, torch.Tensor) else [("w_uk_t", w_uk_t)])
-    named = [("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), *w_parts,
-             ("positions", positions), ("cos_cache", cos_cache), ("sin_cache", sin_cache),
-             ("kv_cache", kv_cache), ("slot_mapping", slot_mapping), ("out", q),
-             ("q_pe_out", q_pe_out), ("k_pe_out", k_pe_out)]
-    if isinstance(kv_scale, torch.Tensor):
-        named.append(("kv_scale", kv_scale))
-    if isinstance(q_scale, torch.Tensor):
-        named.append(("q_scale", q_scale))
-    for name, x in named:
-        if x.device != device:
-            raise FuseMLATypeError(
-                f"{name}: expected device {device} (like q_nope), got {describe(x)}"
-            )
-    for name, x in [("q_nope", q_nope)] + named:
-        if x.dim() > 1 and not name.startswith("w_uk_t."):
-            _last_contiguous(name, x)
-    return PrologueArgs(
-        q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, w_uk_t=w_uk_t, positions=positions,
-        cos_cache=cos_cache, sin_cache=sin_cache, kv_cache=kv_cache, slot_mapping=slot_mapping,
-        num_decode_tokens=D, is_neox=bool(is_neox), apply_rope=not rope_applied,
-        kv_scale=kv_scale, q_scale=q_scale,
-        q=q, q_pe_out=q_pe_out, k_pe_out=k_pe_out,
-    )
+    q_nope_c, _, _, _, (B, H, P, L, R) = _activations(q_nope, q_pe, kv_c, k_pe)
+    spec = build_spec(w_uk_t, cos_cache, sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
+                      q_scale=q_scale, act_quant=act_quant, _dims=(H, P, L, R),
+                      _act=q_nope_c.dtype)
+    return prepare_step(spec, q_nope, q_pe, kv_c, k_pe, positions, kv_cache, slot_mapping,
+                        num_decode_tokens=num_decode_tokens, rope_applied=rope_applied,
+                        kv_scale=kv_scale, out=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out)
 
 
 def check_device_values(args: PrologueArgs) -> None:

@@ -69,7 +69,9 @@ def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool,
                     CACHE_ROWS=2, num_warps=1, num_stages=1, programs_per_sm=3.0)
     bucket = "small" if small else "large" if large else "medium"
     key = (H <= 32, bucket)
-    tiles = _CUDA_TILES.get((*key, w_format)) or _CUDA_TILES[(*key, None)]
+    # a format without tiles of its own takes its base format's (fp8xfp8 -> fp8), then any
+    tiles = (_CUDA_TILES.get((*key, w_format)) or _CUDA_TILES.get((*key, w_format[:3]))
+             or _CUDA_TILES[(*key, None)])
     bl, bt, nw, ns, pps, rr, cr = tiles
     return dict(common, BLOCK_L=min(bl, lmax), BLOCK_T=bt, num_warps=nw, num_stages=ns,
                 programs_per_sm=pps, ROPE_ROWS=rr, CACHE_ROWS=cr)
@@ -80,7 +82,8 @@ def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = Fa
     """Tile sizes for one model shape on one backend ("cuda", "rocm" or "interpreter").
 
     ``small`` / ``large``: the decode batch's bucket (:func:`batch_bucket`; neither: medium),
-    ``w_format``: "plain", "fp8" or "mxfp4". Keyed on these and the model dims only, never on
+    ``w_format``: "plain", "fp8", "fp8xfp8" (FP8 weights, ``act_quant="fp8"``) or "mxfp4".
+    Keyed on these and the model dims only, never on
     the token count, so a serving loop compiles at most three variants per weight format.
     ``programs_per_sm``: BMM programs per multiprocessor when the work items outnumber them
     (persistent programs); 0 = one program per item. The CUDA values are the best of sweeps

@@ -38,9 +38,11 @@ from fusemla.ops.triton_helpers import (
     cast_rne,
     e2m1_to_f32,
     e8m0_to_f32,
+    fp8_max,
     load_rope_halves,
     quantize_value,
     rotate_halves,
+    round_to_fp8_grid,
     store_rope_halves,
 )
 
@@ -134,10 +136,14 @@ def _bmm_tile(
     P: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, Q_FP8: tl.constexpr, A_FMT: tl.constexpr,
-    DOT_TY: tl.constexpr, FIX_BF16: tl.constexpr,
+    A_QUANT: tl.constexpr, DOT_TY: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q[t, i_h, l-tile] = q_nope[t, i_h] @ W for the BLOCK_T tokens of token tile ``i_t``
-    (rows >= D masked), weights from :func:`_bmm_weights`."""
+    (rows >= D masked), weights from :func:`_bmm_weights`.
+
+    ``A_QUANT`` (FP8 weights; the FP8 format code of the weight): each token's row is quantized
+    to that format with its own scale ``amax / fp8_max`` (1 for an all-zero row) and the dot runs
+    FP8 x FP8, its fp32 result multiplied back by the row's scale."""
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < D
     o_t64 = o_t.to(tl.int64)
@@ -155,6 +161,12 @@ def _bmm_tile(
         b_a = tl.load(p_a + o_p[None, :], mask=m_t[:, None] & (o_p < P)[None, :], other=0.0)
         if W_FMT == 2:
             b_o = tl.dot_scaled(b_a, None, A_FMT, b_w, b_w2, "e2m1")
+        elif A_QUANT != 0:
+            b_af = b_a.to(tl.float32)
+            a_scale = tl.math.div_rn(tl.max(tl.abs(b_af), axis=1), fp8_max(A_QUANT))
+            a_scale = tl.where(a_scale > 0, a_scale, 1.0)
+            b_aq = round_to_fp8_grid(tl.math.div_rn(b_af, a_scale[:, None]), A_QUANT)
+            b_o = tl.dot(b_aq.to(DOT_TY), b_w) * a_scale[:, None]
         else:
             b_o = tl.dot(b_a.to(DOT_TY), b_w)
     if W_FMT == 1:
@@ -174,7 +186,7 @@ def _bmm_program(
     P: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr,
-    Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, A_FMT: tl.constexpr,
+    Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr, H: tl.constexpr,
 ):
     """BMM program ``pid`` of ``n_bmm``: work items ``pid, pid + n_bmm, ...`` of the
@@ -188,32 +200,47 @@ def _bmm_program(
     (``num_stages``): the next item's tiles are in flight while this one's dot and store run.
     """
     NL: tl.constexpr = (L + BLOCK_L - 1) // BLOCK_L
-    DOT_TY: tl.constexpr = tl.float32 if DOT_FP32 else p_qn.dtype.element_ty
+    # the dot's operand type: fp32 under the interpreter; the weight's FP8 type for FP8 x FP8
+    if DOT_FP32:
+        DOT_TY: tl.constexpr = tl.float32
+    elif A_QUANT != 0:
+        DOT_TY: tl.constexpr = p_w.dtype.element_ty
+    else:
+        DOT_TY: tl.constexpr = p_qn.dtype.element_ty
     n_t = tl.cdiv(D, BLOCK_T)
     n_items = H * NL * n_t
 
     i_t = pid % n_t
     i_h = pid // n_t // NL
     i_l = pid // n_t % NL
-    b_w, b_w2, w_scale = _bmm_weights(i_h, i_l, p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
-                                      P, L, BLOCK_P, BLOCK_L, W_FMT, MX_NATIVE, DOT_TY)
+    b_w, b_w2, w_scale = _bmm_weights(
+        i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, p_ws=p_ws, s_ws_h=s_ws_h,
+        s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
+        MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY)
     if USE_PDL:
         # weights are never written by the kernel before us: they were loaded while it ran;
         # everything else (activations, scales, outputs) only after it has completed
         gdc_wait()
     q_scale = _scale(p_qs, q_scale_value, Q_SCALE_PTR)
-    _bmm_tile(i_h, i_l, i_t, b_w, b_w2, w_scale, q_scale, D, p_qn, s_qn_t, s_qn_h,
-              p_q, s_q_t, s_q_h, P, L, BLOCK_P, BLOCK_L, BLOCK_T, W_FMT, MX_NATIVE, Q_FP8,
-              A_FMT, DOT_TY, FIX_BF16)
+    _bmm_tile(
+        i_h=i_h, i_l=i_l, i_t=i_t, b_w=b_w, b_w2=b_w2, w_scale=w_scale, q_scale=q_scale, D=D,
+        p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h, P=P, L=L,
+        BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT, MX_NATIVE=MX_NATIVE,
+        Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY, FIX_BF16=FIX_BF16)
     for item in range(pid + n_bmm, n_items, n_bmm):
         i_t = item % n_t
         i_h = item // n_t // NL
         i_l = item // n_t % NL
-        b_w, b_w2, w_scale = _bmm_weights(i_h, i_l, p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
-                                          P, L, BLOCK_P, BLOCK_L, W_FMT, MX_NATIVE, DOT_TY)
-        _bmm_tile(i_h, i_l, i_t, b_w, b_w2, w_scale, q_scale, D, p_qn, s_qn_t, s_qn_h,
-                  p_q, s_q_t, s_q_h, P, L, BLOCK_P, BLOCK_L, BLOCK_T, W_FMT, MX_NATIVE, Q_FP8,
-                  A_FMT, DOT_TY, FIX_BF16)
+        b_w, b_w2, w_scale = _bmm_weights(
+            i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, p_ws=p_ws, s_ws_h=s_ws_h,
+            s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY)
+        _bmm_tile(
+            i_h=i_h, i_l=i_l, i_t=i_t, b_w=b_w, b_w2=b_w2, w_scale=w_scale, q_scale=q_scale,
+            D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h,
+            P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY,
+            FIX_BF16=FIX_BF16)
 
 
 @triton.jit
@@ -294,8 +321,8 @@ def mla_prologue_kernel(
     BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr, ROPE_ROWS: tl.constexpr,
     CACHE_ROWS: tl.constexpr,
     IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
-    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr,
-    A_FMT: tl.constexpr, DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
     KV_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr,
 ):
     """Programs in order: n_bmm BMM programs (decode tokens; persistent when there are more
@@ -314,32 +341,43 @@ def mla_prologue_kernel(
             gdc_wait()
     if pid < n_bmm:
         _bmm_program(
-            pid, n_bmm, D,
-            p_qn, s_qn_t, s_qn_h, p_w, s_w_h, s_w_p, p_ws, s_ws_h, s_ws_p,
-            p_q, s_q_t, s_q_h, p_q_scale, q_scale_value,
-            P, L, BLOCK_P, BLOCK_L, BLOCK_T, W_FMT, MX_NATIVE,
-            Q_FP8, Q_SCALE_PTR, A_FMT, DOT_FP32, FIX_BF16, USE_PDL, H,
+            pid=pid, n_bmm=n_bmm, D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h,
+            p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, p_ws=p_ws, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
+            p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h, p_qs=p_q_scale, q_scale_value=q_scale_value,
+            P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, Q_SCALE_PTR=Q_SCALE_PTR, A_FMT=A_FMT,
+            A_QUANT=A_QUANT, DOT_FP32=DOT_FP32, FIX_BF16=FIX_BF16, USE_PDL=USE_PDL, H=H,
         )
     elif pid < n_bmm + n_rope_d:
+        # decode tokens [0, D): rotated q_pe into the query's last R columns
         _rope_q_program(
-            pid - n_bmm, 0, D, max_pos,
-            p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
-            p_q, s_q_t, s_q_h, L, p_q_scale, q_scale_value,
-            H, R, BLOCK_R, ROPE_ROWS, IS_NEOX, APPLY_ROPE, Q_FP8, Q_SCALE_PTR, FIX_BF16,
+            j=pid - n_bmm, tok0=0, n_tok=D, max_pos=max_pos,
+            p_qp=p_qp, s_qp_t=s_qp_t, s_qp_h=s_qp_h, p_pos=p_pos, s_pos=s_pos,
+            p_cos=p_cos, s_cos=s_cos, p_sin=p_sin, s_sin=s_sin,
+            p_o=p_q, s_o_t=s_q_t, s_o_h=s_q_h, o_col0=L, p_os=p_q_scale, os_value=q_scale_value,
+            H=H, R=R, BLOCK_R=BLOCK_R, ROPE_ROWS=ROPE_ROWS, IS_NEOX=IS_NEOX,
+            APPLY_ROPE=APPLY_ROPE, O_FP8=Q_FP8, OS_FROM_PTR=Q_SCALE_PTR, FIX_BF16=FIX_BF16,
         )
     elif pid < n_bmm + n_rope_d + n_rope_p:
+        # prefill tokens [D, N): rotated q_pe into q_pe_out, unquantized
         _rope_q_program(
-            pid - n_bmm - n_rope_d, D, N - D, max_pos,
-            p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
-            p_qpo, s_qpo_t, s_qpo_h, 0, p_q_scale, q_scale_value,
-            H, R, BLOCK_R, ROPE_ROWS, IS_NEOX, APPLY_ROPE, 0, False, FIX_BF16,
+            j=pid - n_bmm - n_rope_d, tok0=D, n_tok=N - D, max_pos=max_pos,
+            p_qp=p_qp, s_qp_t=s_qp_t, s_qp_h=s_qp_h, p_pos=p_pos, s_pos=s_pos,
+            p_cos=p_cos, s_cos=s_cos, p_sin=p_sin, s_sin=s_sin,
+            p_o=p_qpo, s_o_t=s_qpo_t, s_o_h=s_qpo_h, o_col0=0, p_os=p_q_scale,
+            os_value=q_scale_value,
+            H=H, R=R, BLOCK_R=BLOCK_R, ROPE_ROWS=ROPE_ROWS, IS_NEOX=IS_NEOX,
+            APPLY_ROPE=APPLY_ROPE, O_FP8=0, OS_FROM_PTR=False, FIX_BF16=FIX_BF16,
         )
     else:
         _cache_program(
-            pid - n_bmm - n_rope_d - n_rope_p, N, D, max_pos, num_slots, block_size,
-            p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_pos, s_pos,
-            p_cos, s_cos, p_sin, s_sin, p_slot, s_slot,
-            p_kv_scale, kv_scale_value, p_cache, s_cache_b, s_cache_s, p_kpo, s_kpo_t,
-            R, L, BLOCK_R, BLOCK_LC, CACHE_ROWS, IS_NEOX, APPLY_ROPE, KV_FP8, KV_SCALE_PTR,
-            FIX_BF16,
+            j=pid - n_bmm - n_rope_d - n_rope_p, N=N, D=D, max_pos=max_pos,
+            num_slots=num_slots, block_size=block_size,
+            p_kvc=p_kvc, s_kvc_t=s_kvc_t, p_kpe=p_kpe, s_kpe_t=s_kpe_t, p_pos=p_pos, s_pos=s_pos,
+            p_cos=p_cos, s_cos=s_cos, p_sin=p_sin, s_sin=s_sin, p_slot=p_slot, s_slot=s_slot,
+            p_kvs=p_kv_scale, kv_scale_value=kv_scale_value, p_cache=p_cache,
+            s_cache_b=s_cache_b, s_cache_s=s_cache_s, p_kpo=p_kpo, s_kpo_t=s_kpo_t,
+            R=R, L=L, BLOCK_R=BLOCK_R, BLOCK_LC=BLOCK_LC, CACHE_ROWS=CACHE_ROWS,
+            IS_NEOX=IS_NEOX, APPLY_ROPE=APPLY_ROPE, KV_FP8=KV_FP8, KV_SCALE_PTR=KV_SCALE_PTR,
+            FIX_BF16=FIX_BF16,
         )

@@ -38,6 +38,13 @@ def weight_format(w: object) -> str:
     return "plain" if isinstance(w, torch.Tensor) else w.format
 
 
+def tile_format(args: PrologueArgs) -> str:
+    """The format key of the tile tables (:func:`fusemla.ops.prologue.configs.launch_config`):
+    the weight format, or "fp8xfp8" for FP8 weights with ``act_quant="fp8"``."""
+    fmt = weight_format(args.w_uk_t)
+    return "fp8xfp8" if args.act_quant == "fp8" else fmt
+
+
 def variant_for(args: PrologueArgs, cfg: dict,
                 info: platform.PlatformInfo | None = None) -> platform.PrologueVariant:
     """The kernel variant these arguments run (the single decision in
@@ -85,7 +92,7 @@ def plan(args: PrologueArgs, backend: str, cfg: dict | None = None) -> LaunchPla
     if cfg is None:
         bucket = configs.batch_bucket(D)
         cfg = configs.launch_config(H, P, R, L, backend, bucket == "small",
-                                    large=bucket == "large", w_format=weight_format(args.w_uk_t))
+                                    large=bucket == "large", w_format=tile_format(args))
     num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
     return LaunchPlan(cfg=cfg, bmm_items=configs.bmm_items(D, H, L, cfg),
                       n_bmm=configs.bmm_programs(D, H, L, cfg, num_sms),
@@ -150,6 +157,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         KV_FP8=fp8_code(cache.dtype), Q_FP8=fp8_code(q.dtype),
         W_FMT=w_fmt, MX_NATIVE=mx_native,
         A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
+        A_QUANT=fp8_code(w_data.dtype) if args.act_quant == "fp8" else 0,
         DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_opts,
     )
