@@ -11,6 +11,11 @@ steps, CUDA-graph replays included): GPU time per step by kernel, so a TPOT diff
 attributed to the kernels that changed (fusemla's prologue vs vLLM's BMM, RoPE, concat and
 cache write) or to the host.
 
+Variants (``--variants``): ``off`` (vLLM's own path), ``on`` (the plugin, vLLM's bf16 W_UK_T),
+``fp8`` / ``fp8xfp8`` (the plugin with ``FUSEMLA_VLLM_W_UK=fp8`` / ``fp8xfp8``: FP8 W_UK_T, and
+FP8 activations for the second); every variant of a model alternates with the others, each
+repeat in a rotated order, and each plugin variant's profile is attributed against ``off``.
+
 Models: ``engine_run.SHAPES['bench-h16' / 'bench-h128']`` (DeepSeek-V3 attention: hidden 7168,
 q_lora 1536, kv_lora 512, rope 64, nope 128, v 128; 16 or 128 heads; 4 layers; MLP width 1024;
 random weights), bf16, vLLM's default compile and CUDA-graph mode (FULL_AND_PIECEWISE).
@@ -38,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ENGINE_RUN = ROOT / "tests" / "vllm" / "engine_run.py"
 TAG = "@@BENCH@@ "
+VARIANTS = ("off", "on", "fp8", "fp8xfp8")
 
 # kernel-name fragments -> category (first match wins)
 CATEGORIES = (
@@ -143,12 +149,15 @@ def worker(args) -> None:
 
 
 class Engine:
-    def __init__(self, name: str, model: str, plugin: bool, args, gpu: int | None, log_dir: Path):
+    def __init__(self, name: str, model: str, variant: str, args, gpu: int | None,
+                 log_dir: Path):
         self.name = name
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FUSEMLA_", "VLLM_"))}
-        env.update(FUSEMLA_VLLM="1" if plugin else "0", PYTHONUNBUFFERED="1",
+        env.update(FUSEMLA_VLLM="0" if variant == "off" else "1", PYTHONUNBUFFERED="1",
                    VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CACHE_ROOT=str(log_dir / "cache" / name))
+        if variant in ("fp8", "fp8xfp8"):
+            env["FUSEMLA_VLLM_W_UK"] = variant
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         if args.smoke:
@@ -222,6 +231,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--variants", nargs="+", default=["off", "on"], choices=VARIANTS)
     ap.add_argument("--smoke", action="store_true", help="CPU vLLM, tiny model, 1 repeat")
     args = ap.parse_args()
     if args.cmd == "worker":
@@ -230,6 +240,7 @@ def main() -> None:
     if args.smoke:
         args.models, args.batches, args.repeats, args.steps, args.prompt = (
             ["base"], [1, 2], 1, 3, 16)
+    variants = ["off"] + [v for v in args.variants if v != "off"]
     try:
         import torch
 
@@ -244,40 +255,41 @@ def main() -> None:
         subprocess.run([sys.executable, str(ENGINE_RUN), "make-model", str(path), "--shape", m],
                        check=True)
         gpu = gpus[i % len(gpus)] if gpus else None
-        for plugin in (False, True):
-            engines[(m, plugin)] = Engine(f"{m}-{'on' if plugin else 'off'}", str(path), plugin,
-                                          args, gpu, work)
+        for v in variants:
+            engines[(m, v)] = Engine(f"{m}-{v}", str(path), v, args, gpu, work)
     ready = {k: e.read() for k, e in engines.items()}
     bad = {f"{k[0]}-{k[1]}": v for k, v in ready.items() if not v.get("ready")}
     results: dict = {"method": __doc__.split("\n\n")[1], "args": vars(args), "rows": [],
                      "attribution": {}, "errors": bad}
     if not bad:
         for m in args.models:
-            pair = {p: engines[(m, p)] for p in (False, True)}
+            group = {v: engines[(m, v)] for v in variants}
             for b in args.batches:
-                tp = {False: [], True: []}
+                tp: dict = {v: [] for v in variants}
                 for r in range(args.repeats):
-                    for p in ((False, True) if r % 2 == 0 else (True, False)):
-                        res = pair[p].ask(batch=b, steps=args.steps)
+                    k = r % len(variants)  # rotate the order: each variant leads in turn
+                    for v in variants[k:] + variants[:k]:
+                        res = group[v].ask(batch=b, steps=args.steps)
                         if "error" in res:
-                            results["errors"][f"{m}-B{b}-{p}-r{r}"] = res["error"]
+                            results["errors"][f"{m}-B{b}-{v}-r{r}"] = res["error"]
                             continue
-                        tp[p].append(res["tpot_ms"])
-                row = {"model": m, "batch": b, "off_ms": tp[False], "on_ms": tp[True]}
-                if tp[False] and tp[True]:
-                    off, on = statistics.median(tp[False]), statistics.median(tp[True])
-                    row.update(off_median=round(off, 4), on_median=round(on, 4),
-                               off_spread=round(max(tp[False]) - min(tp[False]), 4),
-                               on_spread=round(max(tp[True]) - min(tp[True]), 4),
-                               saved_ms=round(off - on, 4), speedup=round(off / on, 4))
+                        tp[v].append(res["tpot_ms"])
+                row = {"model": m, "batch": b, "tpot_ms": tp, "median": {}, "spread": {}}
+                for v, xs in tp.items():
+                    if xs:
+                        row["median"][v] = round(statistics.median(xs), 4)
+                        row["spread"][v] = round(max(xs) - min(xs), 4)
+                off = row["median"].get("off")
+                row["saved_ms"] = {v: round(off - x, 4) for v, x in row["median"].items()
+                                   if v != "off" and off is not None}
                 results["rows"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if not k.endswith("_ms")}),
-                      flush=True)
-                prof = {p: pair[p].ask(batch=b, steps=min(args.steps, 16), profile=True)
-                        for p in (False, True)}
-                if all("kernel_us_per_step" in prof[p] for p in prof):
-                    results["attribution"][f"{m}/B{b}"] = attribute(
-                        prof[True]["kernel_us_per_step"], prof[False]["kernel_us_per_step"])
+                print(json.dumps({k: v for k, v in row.items() if k != "tpot_ms"}), flush=True)
+                prof = {v: group[v].ask(batch=b, steps=min(args.steps, 16), profile=True)
+                        for v in variants}
+                for v in variants[1:]:
+                    if all("kernel_us_per_step" in prof[x] for x in ("off", v)):
+                        results["attribution"][f"{m}/B{b}/{v}"] = attribute(
+                            prof[v]["kernel_us_per_step"], prof["off"]["kernel_us_per_step"])
     for e in engines.values():
         e.close()
     results["seconds"] = round(time.time() - t_start, 1)
@@ -292,16 +304,16 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\nmodel        B   TPOT off ms (spread)   TPOT on ms (spread)   saved ms   GPU us/step "
-          "off -> on")
+    print("\nmodel        B   variant    TPOT ms (spread)   saved vs off ms   GPU us/step "
+          "off -> variant")
     for r in results["rows"]:
-        if "off_median" not in r:
-            continue
-        a = results["attribution"].get(f"{r['model']}/B{r['batch']}", {})
-        g = a.get("gpu_us_per_step", {})
-        print(f"{r['model']:<11} {r['batch']:>3}   {r['off_median']:.3f} ({r['off_spread']:.3f})"
-              f"        {r['on_median']:.3f} ({r['on_spread']:.3f})       {r['saved_ms']:+.3f}"
-              f"     {g.get('off', 0):.1f} -> {g.get('on', 0):.1f}")
+        for v, med in r["median"].items():
+            a = results["attribution"].get(f"{r['model']}/B{r['batch']}/{v}", {})
+            g = a.get("gpu_us_per_step", {})
+            saved = r["saved_ms"].get(v)
+            gpu = f"{g.get('off', 0):.1f} -> {g.get('on', 0):.1f}" if g else ""
+            print(f"{r['model']:<11} {r['batch']:>3}   {v:<9}  {med:.3f} ({r['spread'][v]:.3f})"
+                  f"      {'' if saved is None else f'{saved:+.3f}':>8}         {gpu}")
 
 
 if __name__ == "__main__":

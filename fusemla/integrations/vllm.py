@@ -28,6 +28,19 @@ Layers or steps this plugin cannot handle run vLLM's own path, and the reason is
 reason: see :func:`_structural_reason` (decided when the layer is built) and
 :meth:`_LayerState.runtime_reason` (decided at the first step that sees the weights and cache).
 
+Every vLLM internal it touches goes through the adapter of the running vLLM minor version
+(:mod:`fusemla.integrations.vllm_adapters`), picked once in :func:`register`; supported: vLLM
+0.32.x and 0.33.x. The batch is cut into the fused span and vLLM's by
+:func:`fusemla.ops.prologue.halves.split_halves`, the same function :class:`fusemla.MLAAttention`
+uses.
+
+``FUSEMLA_VLLM_W_UK`` (default ``auto``: the weight vLLM holds, bf16/fp16) chooses the W_UK_T the
+fused decode BMM reads: ``fp8`` quantizes vLLM's W_UK_T to FP8 per head (once per layer, at its
+first fused step, and again if vLLM replaces or reloads the weight) and runs FP8 weights with
+the activations as they are; ``fp8xfp8`` also quantizes the activations in the kernel
+(``act_quant="fp8"``, an FP8 x FP8 dot). Both change the numbers (README: FP8 absorbed BMM);
+vLLM's own path (decode half off, fallbacks, prefill) keeps vLLM's weights.
+
 Importing this module does not import vLLM; :func:`register` does.
 """
 
@@ -41,12 +54,16 @@ from collections import Counter
 import torch
 
 from fusemla.config import env_switch, fused_decode, fused_prefill
+from fusemla.errors import FuseMLAValueError
+from fusemla.integrations.vllm_adapters import ADAPTERS, VllmAdapter, adapter_for
 
-__all__ = ["register", "stats", "reset_stats", "SUPPORTED_VLLM", "OP_NAME"]
+__all__ = ["register", "stats", "reset_stats", "SUPPORTED_VLLM", "OP_NAME", "w_uk_mode"]
 
-SUPPORTED_VLLM = "0.32"  # the vLLM minor version this plugin was tested with (0.32.x)
+SUPPORTED_VLLM = tuple(ADAPTERS)  # the vLLM minor versions with an adapter ("0.32", "0.33")
 OP_NAME = "fusemla::vllm_mla_attention"
 ENV_SWITCH = "FUSEMLA_VLLM"
+W_UK_ENV = "FUSEMLA_VLLM_W_UK"
+W_UK_MODES = ("auto", "fp8", "fp8xfp8")
 
 logger = logging.getLogger("vllm.fusemla")  # replaced by vLLM's own logger in register()
 
@@ -56,6 +73,15 @@ _logged: set[str] = set()
 _stats: Counter = Counter()
 _layers: dict[str, "_LayerState"] = {}  # attention layer name -> state (read by the op)
 _wrapper_cls: type | None = None
+_adapter: VllmAdapter | None = None  # the running vLLM's, set by register()
+
+
+def w_uk_mode() -> str:
+    """``FUSEMLA_VLLM_W_UK``: "auto" (default), "fp8" or "fp8xfp8"; read when layers are built."""
+    raw = os.environ.get(W_UK_ENV, "").strip().lower() or "auto"
+    if raw not in W_UK_MODES:
+        raise FuseMLAValueError(f"{W_UK_ENV}: expected one of {W_UK_MODES}, got {raw!r}")
+    return raw
 
 
 def _log_once(level: int, msg: str, *args) -> None:
@@ -91,71 +117,58 @@ def reset_stats() -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: swap vLLM's MLA wrapper for fusemla's.
 
-    On by default; ``FUSEMLA_VLLM=0`` (0/false/no/off) leaves vLLM untouched. Only vLLM 0.32.x is
-    supported: on another version it logs once and stays off. Safe to call more than once per
-    process (vLLM loads general plugins once per process; a second call is a no-op).
+    On by default; ``FUSEMLA_VLLM=0`` (0/false/no/off) leaves vLLM untouched. Supported: the
+    vLLM minor versions of :data:`SUPPORTED_VLLM`; on another version it logs once and stays
+    off. Safe to call more than once per process (vLLM loads general plugins once per process;
+    a second call is a no-op).
     """
-    global _registered, _wrapper_cls, logger
+    global _registered, _wrapper_cls, _adapter, logger
     with _lock:
         if _registered:
-            return
-        try:  # vLLM configures its "vllm" loggers after plugins may have been imported
-            from vllm.logger import init_logger
-
-            logger = init_logger("vllm.fusemla")
-            logger.disabled = False  # a dictConfig after our import may have disabled it
-        except ImportError:  # pragma: no cover
-            pass
-        if not env_switch(ENV_SWITCH, True):
-            _log_once(logging.INFO, "fusemla: %s=0, vLLM's MLA path is left untouched",
-                      ENV_SWITCH)
             return
         try:
             import vllm
         except ImportError:  # pragma: no cover - only called by vLLM
             return
         version = getattr(vllm, "__version__", "unknown")
-        if not (version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + ".")):
-            _log_once(logging.WARNING,
-                      "fusemla: vLLM %s is not supported (tested with %s.x): plugin off, "
-                      "vLLM's own MLA path runs", version, SUPPORTED_VLLM)
+        adapter = adapter_for(version)
+        if adapter is not None:
+            try:  # vLLM configures its "vllm" loggers after plugins may have been imported
+                logger = adapter.init_logger("vllm.fusemla")
+                logger.disabled = False  # a dictConfig after our import may have disabled it
+            except ImportError:  # pragma: no cover
+                pass
+        if not env_switch(ENV_SWITCH, True):
+            _log_once(logging.INFO, "fusemla: %s=0, vLLM's MLA path is left untouched",
+                      ENV_SWITCH)
             return
-        from vllm.model_executor.custom_op import op_registry_oot
-        from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
-
-        name = MultiHeadLatentAttentionWrapper.__name__
-        existing = op_registry_oot.get(name)
+        if adapter is None:
+            _log_once(logging.WARNING,
+                      "fusemla: vLLM %s is not supported (supported: %s): plugin off, "
+                      "vLLM's own MLA path runs", version,
+                      ", ".join(f"{m}.x" for m in SUPPORTED_VLLM))
+            return
+        w_uk_mode()  # a bad FUSEMLA_VLLM_W_UK fails here, before any engine is built
+        base = adapter.wrapper_base()
+        name = base.__name__
+        existing = adapter.registered_oot(name)
         if existing is not None and getattr(existing, "_fusemla", False):
             _registered = True  # this module was imported twice under different names
+            _adapter = adapter
             return
         if existing is not None:
             _log_once(logging.WARNING,
                       "fusemla: %s is already replaced by %s (another plugin): fusemla off",
                       name, existing)
             return
+        _adapter = adapter
         _register_op()
-        _add_splitting_op()
-        _wrapper_cls = _make_wrapper_class(MultiHeadLatentAttentionWrapper)
-        MultiHeadLatentAttentionWrapper.register_oot(_wrapper_cls)
+        # the op reads per-step metadata, so it must run outside captured graph pieces, like
+        # vLLM's own attention ops (a user's explicit splitting_ops must name it)
+        adapter.add_splitting_op(OP_NAME)
+        _wrapper_cls = _make_wrapper_class(base)
+        adapter.register_wrapper(base, _wrapper_cls)
         _registered = True
-
-
-def _add_splitting_op() -> None:
-    """Make the fused op a split point of vLLM's piecewise compile (GPU CUDA graphs).
-
-    The op reads per-step metadata (slot mapping, decode/prefill split), so it must run outside
-    captured graph pieces, exactly like vLLM's own attention ops. vLLM builds its default
-    ``splitting_ops`` from ``CompilationConfig._attention_ops``; registering happens before any
-    config is built (plugins load first). A user who passes an explicit ``splitting_ops`` list
-    must include ``fusemla::vllm_mla_attention`` (or run with enforce_eager).
-    """
-    try:
-        from vllm.config.compilation import CompilationConfig
-    except ImportError:  # pragma: no cover
-        return
-    ops = getattr(CompilationConfig, "_attention_ops", None)
-    if isinstance(ops, list) and OP_NAME not in ops:
-        ops.append(OP_NAME)
 
 
 # ------------------------------------------------------------------------------ the custom op
@@ -182,21 +195,6 @@ def _register_op() -> None:
     _op_registered = True
 
 
-def _forward_context_for(layer_name: str):
-    """(attention metadata or None, slot mapping or None) of ``layer_name`` for this step."""
-    from vllm.forward_context import get_forward_context
-
-    fc = get_forward_context()
-    md = fc.attn_metadata
-    if isinstance(md, dict):
-        md = md.get(layer_name)
-    elif isinstance(md, list):  # speculative decoding: [0] is the base model's
-        md = md[0].get(layer_name) if md else None
-    slots = fc.slot_mapping
-    slots = slots.get(layer_name) if isinstance(slots, dict) else None
-    return md, slots
-
-
 # Decode backends the plugin leaves to vLLM in full CUDA-graph modes (FULL, FULL_AND_PIECEWISE,
 # vLLM's default) until fusemla runs correctly through them there. Measured on the H200 (vLLM
 # 0.32.0, tests/vllm/test_vllm_gpu.py, benchmarks/results/h200_vllm_gpu_*): with FLASHMLA (bf16
@@ -217,58 +215,70 @@ def _forced_backends() -> set[str]:
     return {b.strip().upper() for b in raw.split(",") if b.strip()}
 
 
-_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-_PLAIN_CACHE_DTYPES = ("auto", "bfloat16", "float16", "half", "bf16")
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's current contents cheaply: storage, layout and its version
+    counter (an in-place reload, e.g. an RL weight update, bumps it)."""
+    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t._version)
 
 
 class _LayerState:
     """What the op needs of one MLA layer (a plain object: not an nn.Module, no cycles)."""
 
-    def __init__(self, wrapper, fused_dec: bool, fused_pre: bool):
-        self.attn = wrapper.mla_attn  # vLLM's MLAAttention (weights, cache, impl)
-        self.rotary_emb = wrapper.rotary_emb
-        self.P = wrapper.qk_nope_head_dim
-        self.R = wrapper.qk_rope_head_dim
-        self.L = wrapper.kv_lora_rank
+    def __init__(self, adapter: VllmAdapter, wrapper, fused_dec: bool, fused_pre: bool,
+                 w_uk: str = "auto"):
+        self.ad = adapter
+        self.attn = adapter.attention(wrapper)  # vLLM's MLAAttention (weights, cache, impl)
+        self.rotary_emb = adapter.rotary(wrapper)
+        dims = adapter.layer_dims(wrapper)
+        self.P, self.R, self.L = dims["P"], dims["R"], dims["L"]
         self.fused_dec = fused_dec
         self.fused_pre = fused_pre
-        self.is_neox = bool(getattr(self.rotary_emb, "is_neox_style", False))
-        self._rope_key = None
-        self._rope = None
-        self._w_key = None
-        self._w = None
+        self.w_uk = w_uk  # FUSEMLA_VLLM_W_UK
+        self.is_neox = adapter.is_neox(self.rotary_emb)
+        self.name = adapter.layer_name(self.attn)
+        self._spec_key = None
+        self._spec = None
         self._checked = False
         self._reason: str | None = None
 
-    # -- cached derived tensors (refreshed if vLLM replaces the source tensor)
+    # -- the layer's prologue spec (rebuilt when vLLM replaces or reloads a source tensor)
 
-    def cos_sin(self):
-        from fusemla.rope import split_cos_sin_cache
+    def spec(self, fp8_query: tuple[torch.dtype, torch.Tensor] | None):
+        """The :class:`~fusemla.ops.prologue.args.PrologueSpec` of this layer: W_UK_T (made
+        contiguous in L, or quantized per ``FUSEMLA_VLLM_W_UK``), the split RoPE tables and
+        the decode query's format (``fp8_query``: FP8 dtype and scale, or None)."""
+        from fusemla.ops.prologue.args import build_spec
 
-        cache = self.rotary_emb.cos_sin_cache
-        key = (cache.data_ptr(), cache.dtype, cache.device, tuple(cache.shape))
-        if key != self._rope_key:
-            self._rope = split_cos_sin_cache(cache)
-            self._rope_key = key
-        return self._rope
+        w = self.ad.w_uk_t(self.attn)
+        cache = self.ad.cos_sin_cache(self.rotary_emb)
+        key = (_tensor_key(w), _tensor_key(cache),
+               None if fp8_query is None else (fp8_query[0], id(fp8_query[1])))
+        if key != self._spec_key:
+            from fusemla.rope import split_cos_sin_cache
 
-    def w_uk_t(self):
-        w = self.attn.W_UK_T
-        key = (w.data_ptr(), w.dtype, w.device, tuple(w.stride()))
-        if key != self._w_key:
-            # fusemla wants the L dim contiguous; vLLM keeps a permuted view [H, P, L]
-            self._w = w if w.stride(-1) == 1 else w.contiguous()
-            self._w_key = key
-        return self._w
+            if self.w_uk == "auto":
+                # fusemla wants the L dim contiguous; vLLM keeps a permuted view [H, P, L]
+                w_fused = w if w.stride(-1) == 1 else w.contiguous()
+            else:
+                from fusemla.quant import quantize_fp8_weight
+
+                w_fused = quantize_fp8_weight(w, dtype=self.ad.fp8_dtype(), per_head=True)
+            cos, sin = split_cos_sin_cache(cache)
+            q_dtype, q_scale = fp8_query if fp8_query is not None else (None, None)
+            self._spec = build_spec(w_fused, cos, sin, is_neox=self.is_neox,
+                                    q_out_dtype=q_dtype, q_scale=q_scale,
+                                    act_quant="fp8" if self.w_uk == "fp8xfp8" else None)
+            self._spec_key = key
+        return self._spec
 
     # -- runtime support check (first step with weights and a cache)
 
     def runtime_reason(self, q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
         if self._checked:
             return self._reason
-        a = self.attn
+        ad, a = self.ad, self.attn
         reason = None
-        w = getattr(a, "W_UK_T", None)
+        w = ad.w_uk_t(a)
         if self.fused_dec and not isinstance(w, torch.Tensor):
             reason = ("kv_b_proj is not held as a plain W_UK_T tensor (AITER FP8/FP4 BMM or "
                       "AMX packing): decode BMM stays vLLM's")
@@ -280,23 +290,22 @@ class _LayerState:
         elif kv_cache.dim() != 3 or kv_cache.shape[-1] != self.L + self.R:
             reason = (f"KV cache of shape {tuple(kv_cache.shape)} is not "
                       f"[blocks, block_size, {self.L + self.R}] rows")
-        elif a.kv_cache_dtype in _FP8_CACHE_DTYPES and kv_cache.element_size() != 1:
+        elif ad.is_fp8_cache(a) and kv_cache.element_size() != 1:
             reason = f"FP8 cache of element size {kv_cache.element_size()}"
-        elif not isinstance(getattr(self.rotary_emb, "cos_sin_cache", None), torch.Tensor):
+        elif ad.cos_sin_cache(self.rotary_emb) is None:
             reason = "rotary embedding has no cos_sin_cache"
         self._reason = reason
         self._checked = True
         if reason is not None:
             _log_once(logging.WARNING, "fusemla: layer %s runs vLLM's MLA path: %s",
-                      a.layer_name, reason)
+                      self.name, reason)
         return reason
 
     # -- one step
 
     def run(self, q, kv_c, k_pe, positions, output) -> None:
-        a = self.attn
-        md, slots = _forward_context_for(a.layer_name)
-        kv_cache = a.kv_cache
+        md, slots = self.ad.step_context(self.name)
+        kv_cache = self.ad.kv_cache(self.attn)
         if md is None or slots is None or kv_cache.numel() == 0:
             _stats["no_metadata_calls"] += 1
             self.vllm_path(q, kv_c, k_pe, positions, output, md, slots)
@@ -310,99 +319,86 @@ class _LayerState:
     def vllm_rope(self, positions, q, k_pe):
         """vLLM's own rotation of a copy of ``q`` (q_pe part) and of ``k_pe`` ([n, 1, R])."""
         q = q.clone()
-        q[..., self.P:], k_pe = self.rotary_emb(positions, q[..., self.P:], k_pe)
+        q[..., self.P:], k_pe = self.ad.rope(self.rotary_emb, positions, q[..., self.P:], k_pe)
         _stats["vllm_rope_tokens"] += q.shape[0]
         return q, k_pe
 
     def vllm_cache_write(self, kv_c, k_pe, kv_cache, slots) -> None:
-        a = self.attn
-        a.impl.do_kv_cache_update(kv_c, k_pe, kv_cache, slots, a.kv_cache_dtype, a._k_scale)
+        self.ad.cache_write(self.attn, kv_c, k_pe, kv_cache, slots)
         _stats["vllm_cache_write_tokens"] += kv_c.shape[0]
 
     def vllm_path(self, q, kv_c, k_pe, positions, output, md, slots) -> None:
         """Exactly what vLLM's wrapper + MLAAttention do for this step."""
-        a = self.attn
         q, k_pe = self.vllm_rope(positions, q, k_pe)
-        a.prepare_kv_cache_update(md)
-        a.update_kv_cache(kv_c, k_pe, a.kv_cache, slots, md, a.kv_cache_dtype, a._k_scale)
-        a.forward_impl(q, kv_c, k_pe, a.kv_cache, md, output=output)
+        self.ad.own_path(self.attn, q, kv_c, k_pe, md, slots, output)
 
     def fused_path(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache) -> None:
-        a = self.attn
-        impl = a.impl
+        from fusemla.ops.prologue.halves import split_halves
+
+        ad, a = self.ad, self.attn
         P, R, L = self.P, self.R, self.L
-        n = int(md.num_actual_tokens)
-        D = int(md.num_decode_tokens)
+        n, D = ad.step_tokens(md)
         q, kv_c, k_pe = q[:n], kv_c[:n], k_pe[:n]
         positions, slots = positions[:n], slots[:n]
         H = q.shape[1]
-        fp8 = a.kv_cache_dtype in _FP8_CACHE_DTYPES
-        cache = kv_cache
-        kv_scale = None
-        q_out_dtype = None
-        q_scale = None
-        if fp8:
-            from vllm.platforms import current_platform
-
-            cache = kv_cache.view(current_platform.fp8_dtype())
-            kv_scale = a._k_scale
-            if getattr(impl, "supports_quant_query_input", False):
-                q_out_dtype, q_scale = cache.dtype, a._q_scale
-        cos, sin = self.cos_sin()
+        cache, kv_scale, fp8_query = kv_cache, None, None
+        if ad.is_fp8_cache(a):
+            cache = kv_cache.view(ad.fp8_dtype())
+            kv_scale = ad.k_scale(a)
+            takes_fp8, q_scale = ad.fp8_query(a)
+            if takes_fp8:
+                fp8_query = (cache.dtype, q_scale)
+        split = split_halves(n, D, self.fused_dec, self.fused_pre)
         k2 = k_pe.reshape(n, R)
-        common = dict(is_neox=self.is_neox, kv_scale=kv_scale)
-        dec = self.fused_dec and D > 0
-        pre = self.fused_pre and n > D
 
         q_dec = q_d = k_d = None  # decode query (fused) / rotated decode q, k_pe (vLLM's)
         q_pre = k_pre = None  # prefill q with rotated q_pe, rotated k_pe [n-D, 1, R]
-        if pre:
-            q_pre = q[D:].clone()
-            k_pre = torch.empty(n - D, 1, R, dtype=q.dtype, device=q.device)
-        if dec:
-            q_dec = torch.empty(D, H, L + R, dtype=q_out_dtype or q.dtype, device=q.device)
-        # -- one fused launch for every token fusemla handles
-        if dec or pre:
-            lo = 0 if dec else D
-            hi = n if pre else D
-            _prologue(q[lo:hi, :, :P], q[lo:hi, :, P:], kv_c[lo:hi], k2[lo:hi], self.w_uk_t(),
-                      positions[lo:hi], cos, sin, cache, slots[lo:hi],
-                      num_decode_tokens=(D - lo) if dec else 0,
-                      out=q_dec, q_pe_out=q_pre[..., P:] if pre else None,
-                      k_pe_out=k_pre[:, 0] if pre else None,
-                      q_out_dtype=q_out_dtype, q_scale=q_scale, **common)
-            _stats["prologue_calls"] += 1
-            _stats["decode_tokens"] += D if dec else 0
-            _stats["prefill_tokens"] += (n - D) if pre else 0
-        # -- the halves left to vLLM: its RoPE and its cache write
-        if D > 0 and not dec:
-            q_d, k_d = self.vllm_rope(positions[:D], q[:D], k_pe[:D])
-            self.vllm_cache_write(kv_c[:D], k_d, kv_cache, slots[:D])
-        if n > D and not pre:
-            q_pre, k_pre = self.vllm_rope(positions[D:], q[D:], k_pe[D:])
-            self.vllm_cache_write(kv_c[D:], k_pre, kv_cache, slots[D:])
+        for span in split.spans:
+            lo, hi, d = span.lo, span.hi, span.num_decode_tokens
+            if span.fused:  # -- one fused launch for every token fusemla handles
+                if hi > lo + d:
+                    q_pre = q[lo + d:hi].clone()
+                    k_pre = torch.empty(hi - lo - d, 1, R, dtype=q.dtype, device=q.device)
+                if d > 0:
+                    q_dec = torch.empty(d, H, L + R, device=q.device,
+                                        dtype=fp8_query[0] if fp8_query else q.dtype)
+                _prologue(self.spec(fp8_query), q[lo:hi, :, :P], q[lo:hi, :, P:], kv_c[lo:hi],
+                          k2[lo:hi], positions[lo:hi], cache, slots[lo:hi],
+                          num_decode_tokens=d, kv_scale=kv_scale, out=q_dec,
+                          q_pe_out=q_pre[..., P:] if q_pre is not None else None,
+                          k_pe_out=k_pre[:, 0] if k_pre is not None else None)
+                _stats["prologue_calls"] += 1
+                _stats["decode_tokens"] += d
+                _stats["prefill_tokens"] += hi - lo - d
+            else:  # -- vLLM's RoPE and its cache write, per half
+                if d > 0:
+                    q_d, k_d = self.vllm_rope(positions[lo:lo + d], q[lo:lo + d],
+                                              k_pe[lo:lo + d])
+                    self.vllm_cache_write(kv_c[lo:lo + d], k_d, kv_cache, slots[lo:lo + d])
+                if hi > lo + d:
+                    q_pre, k_pre = self.vllm_rope(positions[lo + d:hi], q[lo + d:hi],
+                                                  k_pe[lo + d:hi])
+                    self.vllm_cache_write(kv_c[lo + d:hi], k_pre, kv_cache, slots[lo + d:hi])
         _stats["op_calls"] += 1
         _stats["decode_calls"] += D > 0
         _stats["prefill_calls"] += n > D
         _stats["mixed_calls"] += 0 < D < n
         # -- attention: vLLM's own kernels
         if n > D:
-            impl.forward_mha(q_pre, kv_c[D:], k_pre, cache, md, a._k_scale,
-                             output=output[D:n])
+            ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
         if D > 0:
-            if dec:
-                attn_out, _ = impl.forward_mqa(q_dec, cache, md, a)
-                a._v_up_proj(attn_out, out=output[:D])
+            if split.decode_fused:
+                ad.decode_attention(a, q_dec, cache, md, output[:D])
             else:
                 # vLLM's decode path (BMM, concat, MQA, W_UV) on the decode tokens alone
-                a.forward_impl(q_d, kv_c[:D], k_d, kv_cache, md, output=output[:D])
+                ad.own_attention(a, q_d, kv_c[:D], k_d, kv_cache, md, output[:D])
 
 
 def _prologue(*args, **kwargs):
-    """fusemla's fused prologue (a module-level hook so tests can wrap it)."""
-    from fusemla.ops.prologue.api import mla_prologue
+    """fusemla's fused prologue step (a module-level hook so tests can wrap it)."""
+    from fusemla.ops.prologue.api import mla_prologue_step
 
-    return mla_prologue(*args, **kwargs)
+    return mla_prologue_step(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------ the wrapper
@@ -410,67 +406,11 @@ def _prologue(*args, **kwargs):
 
 def _structural_reason(w) -> str | None:
     """Why a layer cannot use the fused op at all (None: it can); decided at build time."""
-    a = w.mla_attn
-    impl = a.impl
-    if w.rotary_emb is None:
-        return "no rotary embedding (NoPE)"
-    if getattr(w, "is_sparse", False) or getattr(w, "indexer", None) is not None:
-        return "sparse MLA (indexer / top-k attention)"
-    if getattr(w, "dcp_q_replicate", False) or getattr(impl, "dcp_world_size", 1) > 1:
-        return "decode context parallelism"
-    if getattr(a, "use_pcp", False):
-        return "prefill context parallelism"
-    if getattr(a, "hisparse_cache", None) is not None:
-        return "hierarchical sparse KV cache"
-    if getattr(a, "q_pad_num_heads", None) is not None:
-        return f"the {a.attn_backend.get_name()} backend pads query heads"
-    if getattr(a, "is_amx_bmm_enabled", False):
-        return "AMX backend packs W_UK / W_UV itself"
-    if getattr(a, "is_aiter_triton_fp8_bmm_enabled", False) or getattr(
-            a, "is_aiter_triton_fp4_bmm_enabled", False):
-        return "kv_b_proj runs AITER's FP8/FP4 BMM (quantized W_UK)"
-    if a.prefill_backend is None:
-        return "no dense prefill backend"
-    backend = a.attn_backend.get_name()
-    if (backend in UNVERIFIED_FULL_GRAPH_BACKENDS and backend not in _forced_backends()
-            and _full_cudagraphs()):
-        return (f"the {backend} decode backend {UNVERIFIED_FULL_GRAPH_BACKENDS[backend]}; it "
-                f"runs fused with enforce_eager=True (set {FORCE_ENV}={backend} to run it fused "
-                f"anyway, for diagnosis)")
-    uses_flat = getattr(a, "_uses_flat_kv_cache", None)
-    if callable(uses_flat) and uses_flat():
-        return f"the {backend} backend keeps a flat KV cache layout"
-    dt = a.kv_cache_dtype
-    if dt not in _PLAIN_CACHE_DTYPES and dt not in _FP8_CACHE_DTYPES:
-        return f"kv_cache_dtype={dt!r} (a packed per-token layout)"
-    if w.kv_lora_rank + w.qk_rope_head_dim != a.head_size:
-        return f"cache rows of {a.head_size} != kv_lora_rank + rope dim"
-    if w.qk_rope_head_dim % 2:
-        return "odd rope dim"
-    try:
-        from vllm.config import get_current_vllm_config
-
-        if getattr(get_current_vllm_config(), "kv_transfer_config", None) is not None:
-            return ("a KV-transfer connector is configured (its per-layer load/save hooks run "
-                    "only inside vLLM's own attention op)")
-    except Exception:  # pragma: no cover - outside a vLLM config context
-        pass
-    return None
+    return _adapter.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, _forced_backends(),
+                                      FORCE_ENV)
 
 
-def _full_cudagraphs() -> bool:
-    """vLLM's config captures full CUDA graphs (FULL / FULL_AND_PIECEWISE and the like)."""
-    try:
-        from vllm.config import get_current_vllm_config
-
-        cc = get_current_vllm_config().compilation_config
-        mode = cc.cudagraph_mode
-        return bool(mode is not None and mode.has_full_cudagraphs())
-    except Exception:  # pragma: no cover - outside a vLLM config context: assume the default
-        return True
-
-
-def _mark_compile_cache(dec: bool, pre: bool) -> None:
+def _mark_compile_cache(dec: bool, pre: bool, w_uk: str) -> None:
     """Put the plugin into vLLM's config hash, so vLLM's on-disk torch.compile (AOT) cache never
     hands a graph traced with the plugin to a process without it, or the other way round.
 
@@ -480,18 +420,10 @@ def _mark_compile_cache(dec: bool, pre: bool) -> None:
     vLLM's free-form dict for plugins and is part of the hash; the model is built (and this runs)
     before the first forward compiles it.
     """
-    try:
-        from vllm.config import get_current_vllm_config
+    import fusemla
 
-        cfg = get_current_vllm_config()
-    except Exception:  # pragma: no cover - outside a vLLM config context
-        return
-    extra = getattr(cfg, "additional_config", None)
-    if isinstance(extra, dict):
-        import fusemla
-
-        extra["fusemla"] = {"version": fusemla.__version__, "fused_decode": dec,
-                            "fused_prefill": pre}
+    _adapter.mark_compile_cache("fusemla", {"version": fusemla.__version__, "fused_decode": dec,
+                                            "fused_prefill": pre, "w_uk": w_uk})
 
 
 def _make_wrapper_class(base: type) -> type:
@@ -513,50 +445,25 @@ def _make_wrapper_class(base: type) -> type:
                 _log_once(logging.WARNING if (dec or pre) else logging.INFO,
                           "fusemla: MLA layers run vLLM's own path: %s", reason)
                 return
+            w_uk = w_uk_mode()
             _stats["layers_fused"] += 1
-            _layers[self.mla_attn.layer_name] = _LayerState(self, dec, pre)
+            state = _LayerState(_adapter, self, dec, pre, w_uk)
+            _layers[state.name] = state
+            self._fusemla_layer_name = state.name
             # logged here, not in register(): vLLM may configure its loggers after plugins load
-            _log_once(logging.INFO, "fusemla: vLLM MLA plugin active (fused decode=%s, fused "
-                      "prefill=%s)", dec, pre)
-            _mark_compile_cache(dec, pre)
+            _log_once(logging.INFO, "fusemla: vLLM %s MLA plugin active (fused decode=%s, fused "
+                      "prefill=%s, W_UK %s)", _adapter.minor, dec, pre, w_uk)
+            _mark_compile_cache(dec, pre, w_uk)
 
         def forward(self, positions, hidden_states, llama_4_scaling=None):
             if self._fusemla_reason is not None or llama_4_scaling is not None:
                 return super().forward(positions, hidden_states, llama_4_scaling)
-            q, kv_c_normed, k_pe = self._fusemla_projections(hidden_states)
-            output = torch.empty((hidden_states.shape[0], self.num_heads * self.v_head_dim),
+            q, kv_c_normed, k_pe = _adapter.projections(self, hidden_states)
+            output = torch.empty((hidden_states.shape[0], _adapter.output_width(self)),
                                  dtype=q.dtype, device=q.device)
             torch.ops.fusemla.vllm_mla_attention(q, kv_c_normed, k_pe, positions, output,
-                                                 self.mla_attn.layer_name)
-            if self.g_proj is not None:
-                output = output * self.g_proj(hidden_states)[0].sigmoid()
-            return self.o_proj(output)[0]
-
-        def _fusemla_projections(self, hidden_states):
-            """q [N, H, P+R] (not rotated), normalized latent [N, L], k_pe [N, 1, R] (not
-            rotated): vLLM's projections and norms, as its own forward computes them."""
-            if self.q_lora_rank is not None:
-                qkv = self.fused_qkv_a_proj(hidden_states)[0]
-                q_c, kv_lora = qkv.split(
-                    [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
-                kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-                if self.fuse_qkv_rmsnorm:
-                    from vllm.models.common.ops import fused_q_kv_rmsnorm
-
-                    q_in, kv_c_normed = fused_q_kv_rmsnorm(
-                        q_c, kv_c, self.q_a_layernorm.weight.data,
-                        self.kv_a_layernorm.weight.data, self.q_a_layernorm.variance_epsilon)
-                else:
-                    q_in = self.q_a_layernorm(q_c)
-                    kv_c_normed = self.kv_a_layernorm(kv_c)
-                q = self.q_b_proj(q_in)[0]
-            else:
-                kv_lora = self.kv_a_proj_with_mqa(hidden_states)[0]
-                kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-                kv_c_normed = self.kv_a_layernorm(kv_c)
-                q = self.q_proj(hidden_states)[0]
-            q = q.view(-1, self.num_heads, self.qk_head_dim)
-            return q, kv_c_normed, k_pe.unsqueeze(1)
+                                                 self._fusemla_layer_name)
+            return _adapter.finish(self, output, hidden_states)
 
     FuseMLAWrapper.__qualname__ = "FuseMLAWrapper"
     FuseMLAWrapper.__module__ = __name__

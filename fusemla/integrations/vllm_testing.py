@@ -99,13 +99,14 @@ def _install(model, inject: str, capture: bool) -> None:
     if inject == "double_rope":
         orig_prologue = plugin._prologue
 
-        def double_rope(q_nope, q_pe, kv_c, k_pe, w, positions, cos, sin, *a, **kw):
+        def double_rope(spec, q_nope, q_pe, kv_c, k_pe, positions, *a, **kw):
             from fusemla.rope import apply_rope
 
-            c, s = cos[positions.long()].float(), sin[positions.long()].float()
-            q_pe = apply_rope(q_pe, c[:, None], s[:, None], kw["is_neox"]).to(q_pe.dtype)
-            k_pe = apply_rope(k_pe, c, s, kw["is_neox"]).to(k_pe.dtype)
-            return orig_prologue(q_nope, q_pe, kv_c, k_pe, w, positions, cos, sin, *a, **kw)
+            p = positions.long()
+            c, s = spec.cos_cache[p].float(), spec.sin_cache[p].float()
+            q_pe = apply_rope(q_pe, c[:, None], s[:, None], spec.is_neox).to(q_pe.dtype)
+            k_pe = apply_rope(k_pe, c, s, spec.is_neox).to(k_pe.dtype)
+            return orig_prologue(spec, q_nope, q_pe, kv_c, k_pe, positions, *a, **kw)
 
         plugin._prologue = double_rope
     elif inject == "double_write":
@@ -121,12 +122,12 @@ def _install(model, inject: str, capture: bool) -> None:
     elif inject == "rope_off_by_one":
         orig_prologue = plugin._prologue
 
-        def off_by_one(q_nope, q_pe, kv_c, k_pe, w, positions, *a, **kw):
+        def off_by_one(spec, q_nope, q_pe, kv_c, k_pe, positions, *a, **kw):
             d = kw.get("num_decode_tokens")
             d = positions.shape[0] if d is None else d
             shifted = positions.clone()
             shifted[:d] += 1
-            return orig_prologue(q_nope, q_pe, kv_c, k_pe, w, shifted, *a, **kw)
+            return orig_prologue(spec, q_nope, q_pe, kv_c, k_pe, shifted, *a, **kw)
 
         plugin._prologue = off_by_one
     elif inject not in ("", "none") and not noise:

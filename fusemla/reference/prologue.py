@@ -41,14 +41,17 @@ def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtyp
 def quantize_activations_fp8(q_nope: torch.Tensor, dtype: torch.dtype):
     """The FP8 activations of ``act_quant="fp8"``: one scale per (token, head) row of
     ``q_nope [..., P]``, ``scale = amax / fp8_max`` (1.0 for an all-zero row), codes
-    ``saturate(q_nope / scale)`` rounded to nearest even. Returns ``(codes, scale [..., 1])``,
-    codes in ``dtype``, scale fp32 (IEEE fp32 divisions, as the kernel's)."""
+    ``saturate(q_nope * (1 / scale))`` rounded to nearest even (one IEEE division per row, a
+    multiply per element, as the kernel). Returns ``(codes, scale [..., 1])``, codes in
+    ``dtype``, scale fp32."""
     a = q_nope.float()
     amax = a.abs().amax(dim=-1, keepdim=True)
-    fmax = torch.full((), fp8_max(dtype), dtype=torch.float32, device=a.device)
+    m = fp8_max(dtype)
+    fmax = torch.full((), m, dtype=torch.float32, device=a.device)
     scale = amax / fmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return quantize_fp8(a, scale, dtype), scale
+    inv = torch.ones_like(scale) / scale
+    return (a * inv).clamp(-m, m).to(dtype), scale
 
 
 def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:

@@ -7,25 +7,31 @@
 #   bash tests/vllm/h200.sh wait N    # wait up to N s for it; copy log + JSON report to $OUT
 #   bash tests/vllm/h200.sh bench     # benchmarks/bench_vllm.py (TPOT on vs off), JSON to $OUT
 #
-# The suite runs detached (setsid) so it outlives one device call; its files live in /tmp/vgpu_run.
+# VGPU=<folder> (default .vgpu) picks the bundle (e.g. .vgpu033 for vLLM 0.33, whose gpu_env.sh
+# unpacks elsewhere, so two bundles live side by side on one machine) and VTAG (default vllm032)
+# names the outputs: h200_<VTAG>_gpu_tests_<commit>.log and so on.
+# The suite runs detached (setsid) so it outlives one device call; its files live in
+# /tmp/vgpu_run_<VTAG>.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-RUN=/tmp/vgpu_run
+VG=${VGPU:-.vgpu}
+VTAG=${VTAG:-vllm032}
+RUN=/tmp/vgpu_run_$VTAG
 OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$RUN" "$OUTDIR"
-# the commit under test: .vgpu/commit (written here before the call, carried), kept for later calls
-[[ -f .vgpu/commit ]] && cp .vgpu/commit "$RUN/commit"
+# the commit under test: $VG/commit (written here before the call, carried), kept for later calls
+[[ -f $VG/commit ]] && cp "$VG/commit" "$RUN/commit"
 commit=$(cat "$RUN/commit" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 case ${1:-} in
   start)
-    bash .vgpu/gpu_env.sh setup || exit 1
+    bash $VG/gpu_env.sh setup || exit 1
     nvidia-smi -L
     rm -f "$RUN"/done "$RUN"/tests.log
     extra=$(printf ' %q' "${@:2}")  # more pytest arguments (e.g. -k ...)
     setsid nohup bash -c "
       export FUSEMLA_VLLM_GPU_REPORT=$RUN/report.json
-      bash .vgpu/gpu_env.sh run -- python3 -m pytest -q -rs --device=cuda -p no:cacheprovider \
+      bash $VG/gpu_env.sh run -- python3 -m pytest -q -rs --device=cuda -p no:cacheprovider \
         tests/vllm/test_vllm_gpu.py $extra > $RUN/tests.log 2>&1
       echo \$? > $RUN/done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] GPU e2e suite started at commit $commit" ;;
@@ -35,11 +41,11 @@ case ${1:-} in
     while [[ ! -f $RUN/done ]] && (( SECONDS - t0 < limit )); do sleep 5; done
     tail -c 6000 "$RUN"/tests.log
     [[ -f $RUN/done ]] && echo "[h200] suite exit status $(cat $RUN/done)" || echo "[h200] still running"
-    cp "$RUN"/tests.log "$OUTDIR/h200_vllm_gpu_tests_$commit.log" 2>/dev/null
-    cp "$RUN"/report.json "$OUTDIR/h200_vllm_gpu_report_$commit.json" 2>/dev/null
+    cp "$RUN"/tests.log "$OUTDIR/h200_${VTAG}_gpu_tests_$commit.log" 2>/dev/null
+    cp "$RUN"/report.json "$OUTDIR/h200_${VTAG}_gpu_report_$commit.json" 2>/dev/null
     ls /tmp/pytest-of-*/ 2>/dev/null | tail -1 ;;
   bench)
-    bash .vgpu/gpu_env.sh run -- python3 benchmarks/bench_vllm.py \
-      --out "$OUTDIR/h200_vllm_bench_$commit.json" "${@:2}" 2>&1 | tee "$OUTDIR/h200_vllm_bench_$commit.log" ;;
+    bash $VG/gpu_env.sh run -- python3 benchmarks/bench_vllm.py \
+      --out "$OUTDIR/h200_${VTAG}_bench_$commit.json" "${@:2}" 2>&1 | tee "$OUTDIR/h200_${VTAG}_bench_$commit.log" ;;
   *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args]"; exit 2 ;;
 esac

@@ -54,12 +54,16 @@ OTHER_BACKENDS = ("TRITON_MLA",)
 # Hopper, FLASHMLA, is left to vLLM by the plugin under full CUDA graphs
 # (fusemla.integrations.vllm.UNVERIFIED_FULL_GRAPH_BACKENDS)
 FP8_BACKEND = "TRITON_MLA"
+# FUSEMLA_VLLM_W_UK: FP8 W_UK_T (bf16 activations) and FP8 x FP8, against the bf16 runs
+WUK_MODELS = ("v3-h16", "v3-h128")
+WUK_MODES = ("fp8", "fp8xfp8")
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_DRYRUN=1: the suite's own logic on vLLM's CPU build (one model, eager, the
 # CPU schedule, no FP8 / TP=2 / kernel counts), to check the test code before GPU time
 if DRYRUN:
     CASES, MODELS, FP8_MODELS, SCHEDULE = [("v3-h16", "eager")], ("v3-h16",), (), "wide"
+    WUK_MODELS = ()
     OTHER_BACKENDS = ()
 
 
@@ -74,7 +78,7 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
-    backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
+    wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
     want = (lambda g: groups is None or g in groups)
     specs = [_spec(HALF_MODEL, "off-eager", False),
              _spec(HALF_MODEL, "noise-eager", False, inject=f"noise:{NOISE}")]
@@ -98,6 +102,14 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
         mode = "full_and_piecewise"
         specs += [_spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
                   _spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8")]
+    if want("wuk"):
+        for m in WUK_MODELS:
+            for mode in ("eager", "full_and_piecewise"):
+                for w in WUK_MODES:
+                    specs.append(_spec(m, f"wuk-{w}-on-{mode}", True, mode,
+                                       env={"FUSEMLA_VLLM_W_UK": w}))
+                if not want("main"):
+                    specs.append(_spec(m, f"off-{mode}", False, mode))
     if want("backends"):
         mode = "full_and_piecewise"
         for b in OTHER_BACKENDS:
@@ -301,6 +313,32 @@ def test_fp8_cache_on_flashmla_falls_back(gpu_runs):
     on = runner.run(_spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"))
     assert on["backends"][0]["backend"] == "FLASHMLA"
     _falls_back(on, off, "the FLASHMLA decode backend")
+
+
+@pytest.mark.parametrize("model", WUK_MODELS)
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("w_uk", WUK_MODES)
+def test_fp8_w_uk(gpu_runs, model, mode, w_uk):
+    """FUSEMLA_VLLM_W_UK=fp8 / fp8xfp8 against vLLM's bf16 path: fused everywhere; the
+    deviation FP8 rounding of W_UK (and of the activations) causes is reported next to the
+    bf16 noise floor and the planted bug, and must stay well below the bug."""
+    runner, report = gpu_runs
+    off = runner.run(_spec(model, f"off-{mode}", False, mode))
+    on = runner.run(_spec(model, f"wuk-{w_uk}-on-{mode}", True, mode,
+                          env={"FUSEMLA_VLLM_W_UK": w_uk}))
+    floor = _floor(runner, model)
+    bug = deviation(runner.run(_spec(HALF_MODEL, "bug-eager", True)),
+                    runner.run(_spec(HALF_MODEL, "off-eager", False)))
+    dev = deviation(on, off)
+    _record(report, f"{model}/w_uk-{w_uk}/{mode}", dev, floor,
+            {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"],
+             "kernels_on": on["kernels"]})
+    check_fused(on, off)
+    assert not dev["problems"], dev
+    assert dev["logprob_rel"] > 0  # the FP8 weights really ran
+    for k in ("out", "logprob_rel"):
+        if dev[k] is not None and bug[k] is not None:
+            assert dev[k] < bug[k] / 2, (k, dev, bug)
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)

@@ -183,6 +183,26 @@ def test_noise_floor_separates_a_planted_bug(runner):
     assert harness.judge(bug, noise) != [] and harness.judge(on, noise) == []
 
 
+@pytest.mark.parametrize("w_uk", ["fp8", "fp8xfp8"])
+def test_fp8_w_uk_option(runner, w_uk):
+    """FUSEMLA_VLLM_W_UK=fp8 / fp8xfp8: every layer fused with W_UK_T quantized per head (and
+    the activations too for fp8xfp8). It changes the numbers by FP8 rounding: more than bf16
+    noise, far less than a planted bug; reported next to both (the GPU suite measures it at
+    DeepSeek-V3 dims)."""
+    off = runner.run(base("off", False, interpret=False))
+    on = runner.run(base(f"on-w-uk-{w_uk}", True, env={"FUSEMLA_VLLM_W_UK": w_uk}))
+    check_fused_everywhere(on, off)
+    assert accounting_problems(on, off) == []
+    noise = deviation(runner.run(base("off-noise", False, interpret=False,
+                                      inject=f"noise:{2.0 ** -8}")), off)
+    bug = deviation(runner.run(base("on-rope-off-by-one", True, inject="rope_off_by_one")), off)
+    d = deviation(on, off)
+    print(f"W_UK {w_uk}: out {d['out']:.4g} logprob_rel {d['logprob_rel']:.4g} | bf16 noise "
+          f"{noise['out']:.4g} / {noise['logprob_rel']:.4g} | planted bug {bug['out']:.4g}")
+    assert d["problems"] == [] and d["out"] > 0  # the FP8 weights really ran
+    assert d["out"] < bug["out"] / 2, (d, bug)
+
+
 # ---------------------------------------------------------------------- compiled (inductor)
 
 

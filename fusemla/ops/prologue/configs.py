@@ -40,10 +40,16 @@ _overrides: dict[str, Any] = {}
 _CUDA_TILES = {
     # (heads <= 32, bucket, weight format or None for any)
     (True, "small", None): (128, 16, 4, 3, 2.0, 64, 1),
+    # FP8 weights at small batch: one program per 64-column tile, no pipelining (the sweep of
+    # benchmarks/results/h200_sweep_fp8_0e54a86.json: H16 B1/8 4.93/4.94 -> 3.90/3.99 us,
+    # H128 9.71/9.80 -> 8.89/9.21 us with bf16 activations)
+    (True, "small", "fp8"): (64, 16, 8, 1, 0.0, 64, 1),
+    (True, "small", "fp8xfp8"): (64, 16, 8, 1, 0.0, 64, 1),
+    (False, "small", "fp8xfp8"): (256, 16, 4, 1, 0.0, 64, 1),
     (True, "medium", None): (128, 64, 8, 2, 2.0, 128, 8),
     (True, "large", None): (128, 64, 8, 2, 2.0, 128, 8),
     (False, "small", "plain"): (128, 16, 4, 3, 2.0, 64, 1),
-    (False, "small", "fp8"): (256, 16, 4, 2, 0.0, 64, 1),
+    (False, "small", "fp8"): (64, 16, 4, 1, 0.0, 64, 1),
     (False, "small", "mxfp4"): (128, 16, 8, 2, 0.0, 64, 1),
     (False, "medium", None): (128, 64, 8, 2, 2.0, 128, 8),
     (False, "large", "fp8"): (128, 64, 4, 3, 2.0, 64, 4),

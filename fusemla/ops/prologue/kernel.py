@@ -142,8 +142,9 @@ def _bmm_tile(
     (rows >= D masked), weights from :func:`_bmm_weights`.
 
     ``A_QUANT`` (FP8 weights; the FP8 format code of the weight): each token's row is quantized
-    to that format with its own scale ``amax / fp8_max`` (1 for an all-zero row) and the dot runs
-    FP8 x FP8, its fp32 result multiplied back by the row's scale."""
+    to that format with its own scale ``s = amax / fp8_max`` (1 for an all-zero row), codes
+    ``saturate(x * (1 / s))`` rounded to nearest even, and the dot runs FP8 x FP8 with exact
+    fp32 accumulation, its result multiplied back by ``s``."""
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < D
     o_t64 = o_t.to(tl.int64)
@@ -162,11 +163,15 @@ def _bmm_tile(
         if W_FMT == 2:
             b_o = tl.dot_scaled(b_a, None, A_FMT, b_w, b_w2, "e2m1")
         elif A_QUANT != 0:
+            # one IEEE division per row, a multiply per element (the reference does the same)
             b_af = b_a.to(tl.float32)
             a_scale = tl.math.div_rn(tl.max(tl.abs(b_af), axis=1), fp8_max(A_QUANT))
             a_scale = tl.where(a_scale > 0, a_scale, 1.0)
-            b_aq = round_to_fp8_grid(tl.math.div_rn(b_af, a_scale[:, None]), A_QUANT)
-            b_o = tl.dot(b_aq.to(DOT_TY), b_w) * a_scale[:, None]
+            a_inv = tl.math.div_rn(tl.full(a_scale.shape, 1.0, tl.float32), a_scale)
+            b_aq = round_to_fp8_grid(b_af * a_inv[:, None], A_QUANT)
+            # sm_90's FP8 MMA accumulates imprecisely unless told not to (Triton's default
+            # there): exact fp32 accumulation, as the reference's
+            b_o = tl.dot(b_aq.to(DOT_TY), b_w, max_num_imprecise_acc=0) * a_scale[:, None]
         else:
             b_o = tl.dot(b_a.to(DOT_TY), b_w)
     if W_FMT == 1:

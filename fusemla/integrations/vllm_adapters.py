@@ -1,0 +1,354 @@
+"""Every vLLM internal the plugin touches, one adapter per vLLM minor version.
+
+:mod:`fusemla.integrations.vllm` (the plugin) holds what does not depend on vLLM's version: the
+decision which layers and steps run fused, the custom op, the half-fused dispatch, the fallbacks
+and their logged reasons. Whatever names a vLLM module, class, attribute, private member or
+method signature goes through the adapter :func:`adapter_for` picks once, at registration, from
+``vllm.__version__``. A vLLM minor version without an adapter gets none: the plugin logs that
+once and stays off, vLLM's own MLA path runs.
+
+Supported: 0.32.x (:class:`Vllm032`, tested in vLLM's CPU build in CI and its CUDA build on an
+H200) and 0.33.x (:class:`Vllm033`, tested in its CUDA build on an H200). What 0.33 changed
+that the plugin sees (read from both releases' sources): ``MLAAttention.update_kv_cache`` passes
+a 7th argument ``skip_scale`` to ``impl.do_kv_cache_update`` (True for an FP8 cache whose scale
+is exactly 1.0; the bytes written are the same), so :meth:`Vllm033.cache_write` passes it too, as
+vLLM's own path does. Everything else the adapter touches is the same in both (listed in
+:data:`Vllm032.INTERNALS`).
+
+Importing this module does not import vLLM; the adapters' methods do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["VllmAdapter", "Vllm032", "Vllm033", "ADAPTERS", "adapter_for", "minor_of"]
+
+_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+_PLAIN_CACHE_DTYPES = ("auto", "bfloat16", "float16", "half", "bf16")
+
+
+def minor_of(version: str) -> str:
+    """``"0.33"`` for ``"0.33.0"``, ``"0.33.1rc2"``, ``"0.33.0+cu130"``."""
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2])
+
+
+class VllmAdapter:
+    """The plugin's view of one vLLM minor version (the base class is vLLM 0.32's)."""
+
+    #: the vLLM minor version this adapter was written and tested against
+    minor = "0.32"
+
+    #: every vLLM internal this adapter touches (for the docs and the closing notes)
+    INTERNALS = (
+        "vllm.__version__",
+        "vllm.logger.init_logger",
+        "vllm.model_executor.layers.mla.MultiHeadLatentAttentionWrapper (class; swapped through "
+        "CustomOp.register_oot; its forward(positions, hidden_states, llama_4_scaling))",
+        "vllm.model_executor.custom_op.op_registry_oot",
+        "vllm.config.compilation.CompilationConfig._attention_ops (class list, appended to)",
+        "vllm.config.get_current_vllm_config(): .compilation_config.cudagraph_mode"
+        ".has_full_cudagraphs(), .additional_config (dict, hashed), .kv_transfer_config",
+        "vllm.forward_context.get_forward_context(): .attn_metadata (dict by layer name or "
+        "list of dicts), .slot_mapping (dict by layer name)",
+        "attention metadata: .num_actual_tokens, .num_decode_tokens",
+        "vllm.platforms.current_platform.fp8_dtype()",
+        "vllm.models.common.ops.fused_q_kv_rmsnorm",
+        "wrapper: mla_attn, rotary_emb, num_heads, qk_nope_head_dim, qk_rope_head_dim, "
+        "qk_head_dim, kv_lora_rank, v_head_dim, q_lora_rank, fused_qkv_a_proj, fuse_qkv_rmsnorm, "
+        "q_a_layernorm (.weight, .variance_epsilon), kv_a_layernorm, q_b_proj, q_proj, "
+        "kv_a_proj_with_mqa, o_proj, g_proj, is_sparse, indexer, dcp_q_replicate",
+        "rotary_emb: cos_sin_cache, is_neox_style, __call__(positions, q_pe, k_pe)",
+        "MLAAttention: layer_name, W_UK_T, kv_cache, kv_cache_dtype, head_size, _k_scale, "
+        "_q_scale, impl, attn_backend.get_name(), prefill_backend, use_pcp, hisparse_cache, "
+        "q_pad_num_heads, is_amx_bmm_enabled, is_aiter_triton_fp8_bmm_enabled, "
+        "is_aiter_triton_fp4_bmm_enabled, _uses_flat_kv_cache(), prepare_kv_cache_update(md), "
+        "update_kv_cache(kv_c, k_pe, kv_cache, slots, md, dtype, k_scale), "
+        "forward_impl(q, kv_c, k_pe, kv_cache, md, output=), _v_up_proj(x, out=)",
+        "MLA impl: forward_mqa(q, kv_cache, md, layer) -> (out, lse), "
+        "forward_mha(q, kv_c, k_pe, kv_cache, md, k_scale, output=), "
+        "do_kv_cache_update(kv_c, k_pe, kv_cache, slots, dtype, k_scale), "
+        "supports_quant_query_input, dcp_world_size",
+    )
+
+    # ------------------------------------------------------------------ registration
+
+    def init_logger(self, name: str):
+        from vllm.logger import init_logger
+
+        return init_logger(name)
+
+    def wrapper_base(self) -> type:
+        """vLLM's MLA wrapper class (what the plugin subclasses and swaps in)."""
+        from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+
+        return MultiHeadLatentAttentionWrapper
+
+    def registered_oot(self, name: str) -> type | None:
+        """The out-of-tree replacement already registered for custom op class ``name``."""
+        from vllm.model_executor.custom_op import op_registry_oot
+
+        return op_registry_oot.get(name)
+
+    def register_wrapper(self, base: type, cls: type) -> None:
+        base.register_oot(cls)
+
+    def add_splitting_op(self, op_name: str) -> None:
+        """Make ``op_name`` a split point of vLLM's piecewise compile: vLLM builds its default
+        ``splitting_ops`` from ``CompilationConfig._attention_ops``."""
+        try:
+            from vllm.config.compilation import CompilationConfig
+        except ImportError:  # pragma: no cover
+            return
+        ops = getattr(CompilationConfig, "_attention_ops", None)
+        if isinstance(ops, list) and op_name not in ops:
+            ops.append(op_name)
+
+    # ------------------------------------------------------------------ config
+
+    def _config(self):
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config()
+
+    def full_cudagraphs(self) -> bool:
+        """vLLM's config captures full CUDA graphs (FULL / FULL_AND_PIECEWISE ...); outside a
+        config context: assume vLLM's default (it does)."""
+        try:
+            mode = self._config().compilation_config.cudagraph_mode
+            return bool(mode is not None and mode.has_full_cudagraphs())
+        except Exception:  # pragma: no cover - outside a vLLM config context
+            return True
+
+    def kv_transfer_configured(self) -> bool:
+        try:
+            return getattr(self._config(), "kv_transfer_config", None) is not None
+        except Exception:  # pragma: no cover - outside a vLLM config context
+            return False
+
+    def mark_compile_cache(self, key: str, value: dict) -> None:
+        """Put ``value`` into the config's hashed ``additional_config`` under ``key``."""
+        try:
+            extra = getattr(self._config(), "additional_config", None)
+        except Exception:  # pragma: no cover - outside a vLLM config context
+            return
+        if isinstance(extra, dict):
+            extra[key] = value
+
+    # ------------------------------------------------------------------ per step
+
+    def step_context(self, layer_name: str) -> tuple[Any, torch.Tensor | None]:
+        """(attention metadata or None, slot mapping or None) of ``layer_name`` this step."""
+        from vllm.forward_context import get_forward_context
+
+        fc = get_forward_context()
+        md = fc.attn_metadata
+        if isinstance(md, dict):
+            md = md.get(layer_name)
+        elif isinstance(md, list):  # speculative decoding: [0] is the base model's
+            md = md[0].get(layer_name) if md else None
+        slots = fc.slot_mapping
+        slots = slots.get(layer_name) if isinstance(slots, dict) else None
+        return md, slots
+
+    def step_tokens(self, md) -> tuple[int, int]:
+        """(tokens this step, decode tokens among them: the first ones)."""
+        return int(md.num_actual_tokens), int(md.num_decode_tokens)
+
+    def fp8_dtype(self) -> torch.dtype:
+        from vllm.platforms import current_platform
+
+        return current_platform.fp8_dtype()
+
+    # ------------------------------------------------------------------ a layer
+
+    def layer_dims(self, w) -> dict:
+        """The MLA dims of wrapper ``w``: P, R, L (qk_nope, qk_rope, kv_lora_rank)."""
+        return dict(P=w.qk_nope_head_dim, R=w.qk_rope_head_dim, L=w.kv_lora_rank)
+
+    def attention(self, w):
+        """vLLM's MLAAttention of wrapper ``w`` (weights, cache, impl)."""
+        return w.mla_attn
+
+    def rotary(self, w):
+        return w.rotary_emb
+
+    def is_neox(self, rotary) -> bool:
+        return bool(getattr(rotary, "is_neox_style", False))
+
+    def cos_sin_cache(self, rotary) -> torch.Tensor | None:
+        cache = getattr(rotary, "cos_sin_cache", None)
+        return cache if isinstance(cache, torch.Tensor) else None
+
+    def layer_name(self, attn) -> str:
+        return attn.layer_name
+
+    def backend_name(self, attn) -> str:
+        return attn.attn_backend.get_name()
+
+    def w_uk_t(self, attn) -> Any:
+        """vLLM's absorbed W_UK_T ([H, P, L], a permuted view) or None when it holds none."""
+        return getattr(attn, "W_UK_T", None)
+
+    def kv_cache(self, attn) -> torch.Tensor:
+        return attn.kv_cache
+
+    def kv_cache_dtype(self, attn) -> str:
+        return attn.kv_cache_dtype
+
+    def is_fp8_cache(self, attn) -> bool:
+        return attn.kv_cache_dtype in _FP8_CACHE_DTYPES
+
+    def k_scale(self, attn) -> torch.Tensor:
+        return attn._k_scale
+
+    def fp8_query(self, attn) -> tuple[bool, torch.Tensor | None]:
+        """(the decode backend takes an FP8 query, its scale) for an FP8 cache."""
+        return bool(getattr(attn.impl, "supports_quant_query_input", False)), attn._q_scale
+
+    def structural_reason(self, w, unverified_full_graph: dict[str, str],
+                          forced: set[str], force_env: str) -> str | None:
+        """Why wrapper ``w``'s layer cannot run fused at all (None: it can), decided when the
+        layer is built. ``unverified_full_graph``: backend -> why it is left to vLLM under full
+        CUDA graphs, unless named in ``forced``."""
+        a = w.mla_attn
+        impl = a.impl
+        if w.rotary_emb is None:
+            return "no rotary embedding (NoPE)"
+        if getattr(w, "is_sparse", False) or getattr(w, "indexer", None) is not None:
+            return "sparse MLA (indexer / top-k attention)"
+        if getattr(w, "dcp_q_replicate", False) or getattr(impl, "dcp_world_size", 1) > 1:
+            return "decode context parallelism"
+        if getattr(a, "use_pcp", False):
+            return "prefill context parallelism"
+        if getattr(a, "hisparse_cache", None) is not None:
+            return "hierarchical sparse KV cache"
+        if getattr(a, "q_pad_num_heads", None) is not None:
+            return f"the {a.attn_backend.get_name()} backend pads query heads"
+        if getattr(a, "is_amx_bmm_enabled", False):
+            return "AMX backend packs W_UK / W_UV itself"
+        if getattr(a, "is_aiter_triton_fp8_bmm_enabled", False) or getattr(
+                a, "is_aiter_triton_fp4_bmm_enabled", False):
+            return "kv_b_proj runs AITER's FP8/FP4 BMM (quantized W_UK)"
+        if a.prefill_backend is None:
+            return "no dense prefill backend"
+        backend = a.attn_backend.get_name()
+        if (backend in unverified_full_graph and backend not in forced
+                and self.full_cudagraphs()):
+            return (f"the {backend} decode backend {unverified_full_graph[backend]}; it runs "
+                    f"fused with enforce_eager=True (set {force_env}={backend} to run it fused "
+                    f"anyway, for diagnosis)")
+        uses_flat = getattr(a, "_uses_flat_kv_cache", None)
+        if callable(uses_flat) and uses_flat():
+            return f"the {backend} backend keeps a flat KV cache layout"
+        dt = a.kv_cache_dtype
+        if dt not in _PLAIN_CACHE_DTYPES and dt not in _FP8_CACHE_DTYPES:
+            return f"kv_cache_dtype={dt!r} (a packed per-token layout)"
+        if w.kv_lora_rank + w.qk_rope_head_dim != a.head_size:
+            return f"cache rows of {a.head_size} != kv_lora_rank + rope dim"
+        if w.qk_rope_head_dim % 2:
+            return "odd rope dim"
+        if self.kv_transfer_configured():
+            return ("a KV-transfer connector is configured (its per-layer load/save hooks run "
+                    "only inside vLLM's own attention op)")
+        return None
+
+    def projections(self, w, hidden_states: torch.Tensor):
+        """q [N, H, P+R] (not rotated), normalized latent [N, L], k_pe [N, 1, R] (not rotated):
+        vLLM's projections and norms, as its own wrapper forward computes them."""
+        if w.q_lora_rank is not None:
+            qkv = w.fused_qkv_a_proj(hidden_states)[0]
+            q_c, kv_lora = qkv.split([w.q_lora_rank, w.kv_lora_rank + w.qk_rope_head_dim],
+                                     dim=-1)
+            kv_c, k_pe = kv_lora.split([w.kv_lora_rank, w.qk_rope_head_dim], dim=-1)
+            if w.fuse_qkv_rmsnorm:
+                from vllm.models.common.ops import fused_q_kv_rmsnorm
+
+                q_in, kv_c_normed = fused_q_kv_rmsnorm(
+                    q_c, kv_c, w.q_a_layernorm.weight.data, w.kv_a_layernorm.weight.data,
+                    w.q_a_layernorm.variance_epsilon)
+            else:
+                q_in = w.q_a_layernorm(q_c)
+                kv_c_normed = w.kv_a_layernorm(kv_c)
+            q = w.q_b_proj(q_in)[0]
+        else:
+            kv_lora = w.kv_a_proj_with_mqa(hidden_states)[0]
+            kv_c, k_pe = kv_lora.split([w.kv_lora_rank, w.qk_rope_head_dim], dim=-1)
+            kv_c_normed = w.kv_a_layernorm(kv_c)
+            q = w.q_proj(hidden_states)[0]
+        q = q.view(-1, w.num_heads, w.qk_head_dim)
+        return q, kv_c_normed, k_pe.unsqueeze(1)
+
+    def output_width(self, w) -> int:
+        return w.num_heads * w.v_head_dim
+
+    def finish(self, w, output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The wrapper's forward after attention: the optional gate, then o_proj."""
+        if w.g_proj is not None:
+            output = output * w.g_proj(hidden_states)[0].sigmoid()
+        return w.o_proj(output)[0]
+
+    # ------------------------------------------------------------------ vLLM's own kernels
+
+    def rope(self, rotary, positions, q_pe, k_pe):
+        """vLLM's rotary embedding: (rotated q_pe, rotated k_pe)."""
+        return rotary(positions, q_pe, k_pe)
+
+    def cache_write(self, attn, kv_c, k_pe, kv_cache, slots) -> None:
+        """vLLM's cache write of these tokens (what ``update_kv_cache`` calls)."""
+        attn.impl.do_kv_cache_update(kv_c, k_pe, kv_cache, slots, attn.kv_cache_dtype,
+                                     attn._k_scale)
+
+    def own_path(self, attn, q, kv_c, k_pe, md, slots, output) -> None:
+        """vLLM's MLAAttention for this step, after RoPE: cache update, then attention."""
+        attn.prepare_kv_cache_update(md)
+        attn.update_kv_cache(kv_c, k_pe, attn.kv_cache, slots, md, attn.kv_cache_dtype,
+                             attn._k_scale)
+        attn.forward_impl(q, kv_c, k_pe, attn.kv_cache, md, output=output)
+
+    def own_attention(self, attn, q, kv_c, k_pe, kv_cache, md, output) -> None:
+        """vLLM's attention alone (rotated q / k_pe; the cache already written)."""
+        attn.forward_impl(q, kv_c, k_pe, kv_cache, md, output=output)
+
+    def prefill_attention(self, attn, q, kv_c, k_pe, cache, md, output) -> None:
+        attn.impl.forward_mha(q, kv_c, k_pe, cache, md, attn._k_scale, output=output)
+
+    def decode_attention(self, attn, q, cache, md, output) -> None:
+        """vLLM's decode MQA on the 576-wide query, then its W_UV projection into ``output``."""
+        out, _ = attn.impl.forward_mqa(q, cache, md, attn)
+        attn._v_up_proj(out, out=output)
+
+
+class Vllm032(VllmAdapter):
+    """vLLM 0.32.x."""
+
+    minor = "0.32"
+
+
+class Vllm033(VllmAdapter):
+    """vLLM 0.33.x: the cache write passes ``skip_scale`` (as 0.33's ``update_kv_cache`` does)."""
+
+    minor = "0.33"
+    INTERNALS = VllmAdapter.INTERNALS + (
+        "MLA impl: do_kv_cache_update(..., skip_scale) (new in 0.33); MLAAttention: "
+        "_k_scale_float (read for skip_scale)",
+    )
+
+    def cache_write(self, attn, kv_c, k_pe, kv_cache, slots) -> None:
+        skip = attn.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2") and float(
+            getattr(attn, "_k_scale_float", 0.0)) == 1.0
+        attn.impl.do_kv_cache_update(kv_c, k_pe, kv_cache, slots, attn.kv_cache_dtype,
+                                     attn._k_scale, skip)
+
+
+#: the supported vLLM minor versions and their adapters
+ADAPTERS: dict[str, type[VllmAdapter]] = {"0.32": Vllm032, "0.33": Vllm033}
+
+
+def adapter_for(version: str) -> VllmAdapter | None:
+    """The adapter of vLLM ``version`` (e.g. "0.33.0"), or None when no adapter covers it."""
+    cls = ADAPTERS.get(minor_of(version))
+    return cls() if cls is not None else None

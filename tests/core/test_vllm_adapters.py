@@ -1,0 +1,118 @@
+"""The vLLM plugin's version adapters and the half split, without vLLM installed.
+
+The adapters' vLLM-facing methods run in tests/vllm (vLLM's CPU build in CI, its CUDA builds on
+the H200); here: which version gets which adapter, what differs between them, that an
+unsupported vLLM leaves the plugin off with one warning, and the batch split both the plugin
+and the layer use.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from fusemla.integrations import vllm_adapters as ad
+from fusemla.ops.prologue.halves import Span, split_halves
+
+
+@pytest.mark.parametrize("version,minor,cls", [
+    ("0.32.0", "0.32", ad.Vllm032), ("0.32.3", "0.32", ad.Vllm032),
+    ("0.33.0", "0.33", ad.Vllm033), ("0.33.1rc2", "0.33", ad.Vllm033),
+    ("0.33.0+cu130", "0.33", ad.Vllm033), ("0.34.0", "0.34", None), ("0.31.2", "0.31", None),
+    ("1.0", "1.0", None), ("unknown", "unknown", None),
+])
+def test_adapter_for_version(version, minor, cls):
+    assert ad.minor_of(version) == minor
+    a = ad.adapter_for(version)
+    if cls is None:
+        assert a is None
+    else:
+        assert type(a) is cls and a.minor == minor
+
+
+class _Impl:
+    def __init__(self):
+        self.calls = []
+
+    def do_kv_cache_update(self, *args):
+        self.calls.append(args)
+
+
+def _attn(dtype: str, scale: float):
+    return types.SimpleNamespace(impl=_Impl(), kv_cache_dtype=dtype, _k_scale="k-scale",
+                                 _k_scale_float=scale)
+
+
+@pytest.mark.parametrize("dtype,scale,skip", [("fp8", 1.0, True), ("fp8_e4m3", 1.0, True),
+                                              ("fp8", 0.5, False), ("auto", 1.0, False)])
+def test_cache_write_per_version(dtype, scale, skip):
+    """0.32's do_kv_cache_update takes 6 arguments; 0.33's update_kv_cache passes a 7th,
+    skip_scale (FP8 cache with a scale of exactly 1.0), and the 0.33 adapter passes it alike."""
+    for cls, extra in ((ad.Vllm032, ()), (ad.Vllm033, (skip,))):
+        a = _attn(dtype, scale)
+        cls().cache_write(a, "kv_c", "k_pe", "cache", "slots")
+        assert a.impl.calls == [("kv_c", "k_pe", "cache", "slots", dtype, "k-scale", *extra)]
+
+
+def test_internals_listed_per_version():
+    assert "skip_scale" not in " ".join(ad.Vllm032.INTERNALS)
+    assert "skip_scale" in " ".join(ad.Vllm033.INTERNALS)
+    assert set(ad.ADAPTERS) == {"0.32", "0.33"}
+
+
+def test_unsupported_vllm_leaves_plugin_off(monkeypatch, caplog):
+    """register() under a vLLM without an adapter: one warning, nothing registered."""
+    from fusemla.integrations import vllm as plugin
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.34.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_adapter", None)
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "logger", logging.getLogger("test.fusemla"))
+    with caplog.at_level(logging.WARNING, logger="test.fusemla"):
+        plugin.register()
+        plugin.register()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["fusemla: vLLM 0.34.0 is not supported (supported: 0.32.x, 0.33.x): "
+                    "plugin off, vLLM's own MLA path runs"]
+    assert plugin._adapter is None and not plugin._registered
+
+
+def test_w_uk_mode(monkeypatch):
+    from fusemla.errors import FuseMLAValueError
+    from fusemla.integrations.vllm import w_uk_mode
+
+    monkeypatch.delenv("FUSEMLA_VLLM_W_UK", raising=False)
+    assert w_uk_mode() == "auto"
+    for v, want in (("fp8", "fp8"), (" FP8xFP8 ", "fp8xfp8"), ("auto", "auto")):
+        monkeypatch.setenv("FUSEMLA_VLLM_W_UK", v)
+        assert w_uk_mode() == want
+    monkeypatch.setenv("FUSEMLA_VLLM_W_UK", "int8")
+    with pytest.raises(FuseMLAValueError, match="FUSEMLA_VLLM_W_UK.*int8"):
+        w_uk_mode()
+
+
+@pytest.mark.parametrize("N,D", [(0, 0), (5, 0), (5, 5), (7, 3)])
+@pytest.mark.parametrize("fd,fp", [(True, True), (False, False), (True, False), (False, True)])
+def test_split_halves_covers_every_token_once(N, D, fd, fp):
+    split = split_halves(N, D, fd, fp)
+    covered = [t for s in split.spans for t in range(s.lo, s.hi)]
+    assert covered == list(range(N))  # every token once, in order
+    assert all(len(s) > 0 for s in split.spans)
+    assert sum(s.fused for s in split.spans) <= 1
+    for s in split.spans:
+        decode = range(s.lo, s.lo + s.num_decode_tokens)
+        assert all(t < D for t in decode) and all(t >= D for t in range(decode.stop, s.hi))
+        # a token's half decides its path
+        assert all(s.fused == (fd if t < D else fp) for t in range(s.lo, s.hi))
+    if fd == fp:
+        assert split.spans == ((Span(0, N, D, fd),) if N else ())
+    assert (split.decode_fused, split.prefill_fused) == (fd, fp)
+    with pytest.raises(ValueError):
+        split_halves(3, 4, fd, fp)
+
