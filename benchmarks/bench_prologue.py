@@ -278,7 +278,12 @@ def aiter_rows(b: Bench, a) -> None:
         layers = b.inputs(B, H, torch.bfloat16, seed=1000 * H + B)
         base = dict(op="decode_prologue", kv_dtype="bf16", H=H, B=B, w_dtype="fp8xfp8")
         results = []
-        for cfg in [None] + (full if B <= configs.SMALL_BATCH else large):
+        if a.aiter_quick:  # AITER's default and the winners of the full sweep (0e54a86)
+            space = [c for c in full if (c["BLOCK_SIZE_M"], c["num_warps"]) == (16, 4)
+                     and (c["BLOCK_SIZE_N"], c["num_stages"]) in ((64, 1), (128, 1), (64, 3))]
+        else:
+            space = full if B <= configs.SMALL_BATCH else large
+        for cfg in [None] + space:
             key = dict(base, impl="aiter_fp8", config=cfg or "default")
             try:
                 peers = []
@@ -438,6 +443,8 @@ def parse(argv=None):
     ap.add_argument("--sweep", action="store_true", help="sweep fused tile configs")
     ap.add_argument("--aiter", action="store_true",
                     help="AMD AITER's fused FP8 kernel, default and best config (needs .peers/)")
+    ap.add_argument("--aiter-quick", action="store_true",
+                    help="with --aiter: its default and 3 configs (the winners of a full sweep)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: every mode at tiny dims under TRITON_INTERPRET=1, eager timing")
     ap.add_argument("--heads", type=int, nargs="+", default=None)

@@ -59,6 +59,14 @@ WUK_MODELS = ("v3-h16", "v3-h128")
 WUK_MODES = ("fp8", "fp8xfp8")
 MAX_LEN = 2048
 SCHEDULE = "gpu"
+# FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
+_ONLY_MODELS = [m.strip() for m in os.environ.get("FUSEMLA_VLLM_GPU_MODELS", "").split(",")
+                if m.strip()]
+if _ONLY_MODELS:
+    MODELS = tuple(m for m in MODELS if m in _ONLY_MODELS)
+    CASES = [(m, mode) for m, mode in CASES if m in _ONLY_MODELS]
+    FP8_MODELS = tuple(m for m in FP8_MODELS if m in _ONLY_MODELS)
+    WUK_MODELS = tuple(m for m in WUK_MODELS if m in _ONLY_MODELS)
 # FUSEMLA_VLLM_GPU_DRYRUN=1: the suite's own logic on vLLM's CPU build (one model, eager, the
 # CPU schedule, no FP8 / TP=2 / kernel counts), to check the test code before GPU time
 if DRYRUN:
