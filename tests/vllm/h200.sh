@@ -28,7 +28,8 @@ case ${1:-} in
     bash $VG/gpu_env.sh setup || exit 1
     nvidia-smi -L
     rm -f "$RUN"/done "$RUN"/tests.log
-    extra=$(printf ' %q' "${@:2}")  # more pytest arguments (e.g. -k ...)
+    extra=""  # more pytest arguments (e.g. -k ...); none: printf would make an empty argument,
+    (( $# > 1 )) && extra=$(printf ' %q' "${@:2}")  # which pytest reads as "." (every test)
     setsid nohup bash -c "
       export FUSEMLA_VLLM_GPU_REPORT=$RUN/report.json
       bash $VG/gpu_env.sh run -- python3 -m pytest -q -rs --device=cuda -p no:cacheprovider \

@@ -194,7 +194,8 @@ class Runner:
 
     def run_many(self, specs: list, workers: int | None = None) -> None:
         """Run every spec not yet run, ``workers`` at a time (failures kept for :meth:`run`)."""
-        todo = [s for s in specs if s.name not in self.results and s.name not in self.failures]
+        todo = list({s.name: s for s in specs  # once per name
+                     if s.name not in self.results and s.name not in self.failures}.values())
         shapes = sorted({s.shape for s in todo})
         with cf.ThreadPoolExecutor(max(1, min(len(shapes), os.cpu_count() or 1))) as ex:
             list(ex.map(self.model, shapes))  # the models first, in parallel
