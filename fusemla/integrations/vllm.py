@@ -451,8 +451,8 @@ def _make_wrapper_class(base: type) -> type:
             _layers[state.name] = state
             self._fusemla_layer_name = state.name
             # logged here, not in register(): vLLM may configure its loggers after plugins load
-            _log_once(logging.INFO, "fusemla: vLLM %s MLA plugin active (fused decode=%s, fused "
-                      "prefill=%s, W_UK %s)", _adapter.minor, dec, pre, w_uk)
+            _log_once(logging.INFO, "fusemla: vLLM MLA plugin active (vLLM %s adapter, fused "
+                      "decode=%s, fused prefill=%s, W_UK %s)", _adapter.minor, dec, pre, w_uk)
             _mark_compile_cache(dec, pre, w_uk)
 
         def forward(self, positions, hidden_states, llama_4_scaling=None):
