@@ -217,8 +217,14 @@ def _forced_backends() -> set[str]:
 
 def _tensor_key(t: torch.Tensor) -> tuple:
     """What identifies a tensor's current contents cheaply: storage, layout and its version
-    counter (an in-place reload, e.g. an RL weight update, bumps it)."""
-    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t._version)
+    counter (an in-place reload, e.g. an RL weight update, bumps it). An inference tensor has no
+    version counter (vLLM's rotary embedding may recast its cache inside inference mode): its
+    key is storage and layout only, so replacing it is seen, writing into it in place is not."""
+    try:
+        version = t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        version = None
+    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), version)
 
 
 class _LayerState:

@@ -116,3 +116,20 @@ def test_split_halves_covers_every_token_once(N, D, fd, fp):
     with pytest.raises(ValueError):
         split_halves(3, 4, fd, fp)
 
+
+
+def test_spec_key_of_tensors_with_and_without_version_counter():
+    """The plugin's per-layer spec cache keys on tensors' version counters; an inference tensor
+    (vLLM may recast its RoPE cache inside inference mode) has none and must not raise."""
+    import torch
+
+    from fusemla.integrations.vllm import _tensor_key
+
+    w = torch.zeros(2, 3)
+    k0 = _tensor_key(w)
+    w.add_(1)  # an in-place reload: a new key
+    assert _tensor_key(w) != k0
+    with torch.inference_mode():
+        cache = torch.zeros(4, 2)
+    assert _tensor_key(cache) == _tensor_key(cache)
+    assert _tensor_key(cache)[-1] is None

@@ -478,8 +478,8 @@ def prepare_step(
             raise FuseMLATypeError(
                 f"{what}: expected device {device} (like q_nope), got {describe(x)}"
             )
-    for name, x in [("q_nope", q_nope)] + named[:-1]:
-        if x.dim() > 1:
+    for name, x in [("q_nope", q_nope)] + named:
+        if x.dim() > 1 and name != "spec":  # the spec's tensors were checked by build_spec
             _last_contiguous(name, x)
     return PrologueArgs(
         spec=spec, q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, positions=positions,
