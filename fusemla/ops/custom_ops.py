@@ -28,6 +28,7 @@ _INS = ("q_nope", "q_pe", "kv_c", "k_pe", "w_data", "w_scale", "positions", "cos
 #: the written tensors (the KV cache and the three outputs)
 _OUTS = ("kv_cache", "q", "q_pe_out", "k_pe_out")
 _ACT_QUANT_CODES = {None: 0, "fp8": 1}
+_ACT_QUANT_OF_CODE = {c: a for a, c in _ACT_QUANT_CODES.items()}
 
 
 def pack(args: PrologueArgs) -> tuple[list, list, list, list, str]:
@@ -62,7 +63,7 @@ def unpack(ins: list, outs: list, ints: list, floats: list, w_format: str) -> Pr
         w_uk_t=w, cos_cache=i["cos_cache"], sin_cache=i["sin_cache"], is_neox=bool(is_neox),
         q_out_dtype=o["q"].dtype,
         q_scale=i["q_scale"] if i["q_scale"] is not None else q_v,
-        act_quant={c: a for a, c in _ACT_QUANT_CODES.items()}[act_quant])
+        act_quant=_ACT_QUANT_OF_CODE[act_quant])
     return PrologueArgs(
         spec=spec, q_nope=i["q_nope"], q_pe=i["q_pe"], kv_c=i["kv_c"], k_pe=i["k_pe"],
         positions=i["positions"], kv_cache=o["kv_cache"], slot_mapping=i["slot_mapping"],

@@ -402,8 +402,11 @@ def prepare_step(
     out: torch.Tensor | None = None,
     q_pe_out: torch.Tensor | None = None,
     k_pe_out: torch.Tensor | None = None,
+    _acts: tuple | None = None,
 ) -> PrologueArgs:
     """Check one step's arguments against ``spec`` and allocate the outputs not given.
+    (``_acts``: what :func:`_activations` returned for these activations, when :func:`prepare`
+    already ran it.)
 
     Raises :class:`~fusemla.errors.FuseMLAValueError` / :class:`~fusemla.errors.FuseMLATypeError`
     naming the argument, before any launch or write.
@@ -411,7 +414,7 @@ def prepare_step(
     if not isinstance(spec, PrologueSpec):
         raise FuseMLATypeError(
             f"spec: expected a PrologueSpec (fusemla.prologue_spec(...)), got {describe(spec)}")
-    q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R) = _activations(q_nope, q_pe, kv_c, k_pe)
+    q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R) = _acts or _activations(q_nope, q_pe, kv_c, k_pe)
     act = q_nope.dtype
     device = q_nope.device
     sH, sP, sL, sR = spec.H, spec.P, spec.L, spec.R
@@ -518,13 +521,15 @@ def prepare(
     The activations are read first, so an error names the per-layer argument that disagrees
     with them (``w_uk_t``, ``cos_cache``, ...). Raises before any launch or write.
     """
-    q_nope_c, _, _, _, (B, H, P, L, R) = _activations(q_nope, q_pe, kv_c, k_pe)
+    acts = _activations(q_nope, q_pe, kv_c, k_pe)
+    _, H, P, L, R = acts[4]
     spec = build_spec(w_uk_t, cos_cache, sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
                       q_scale=q_scale, act_quant=act_quant, _dims=(H, P, L, R),
-                      _act=q_nope_c.dtype)
-    return prepare_step(spec, q_nope, q_pe, kv_c, k_pe, positions, kv_cache, slot_mapping,
+                      _act=acts[0].dtype)
+    return prepare_step(spec, *acts[:4], positions, kv_cache, slot_mapping,
                         num_decode_tokens=num_decode_tokens, rope_applied=rope_applied,
-                        kv_scale=kv_scale, out=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out)
+                        kv_scale=kv_scale, out=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out,
+                        _acts=acts)
 
 
 def check_device_values(args: PrologueArgs) -> None:

@@ -57,6 +57,10 @@ _CUDA_TILES = {
 }
 
 
+#: tile formats whose weights are another format's (for the fallback to its tiles)
+_WEIGHTS_OF = {"fp8xfp8": "fp8"}
+
+
 def batch_bucket(D: int) -> str:
     """The tile bucket of ``D`` decode tokens: "small" (<= :data:`SMALL_BATCH`), "large"
     (>= :data:`LARGE_BATCH`) or "medium"."""
@@ -75,8 +79,9 @@ def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool,
                     CACHE_ROWS=2, num_warps=1, num_stages=1, programs_per_sm=3.0)
     bucket = "small" if small else "large" if large else "medium"
     key = (H <= 32, bucket)
-    # a format without tiles of its own takes its base format's (fp8xfp8 -> fp8), then any
-    tiles = (_CUDA_TILES.get((*key, w_format)) or _CUDA_TILES.get((*key, w_format[:3]))
+    # a format without tiles of its own takes its weights' format's (fp8xfp8 -> fp8), then any
+    tiles = (_CUDA_TILES.get((*key, w_format))
+             or _CUDA_TILES.get((*key, _WEIGHTS_OF.get(w_format, w_format)))
              or _CUDA_TILES[(*key, None)])
     bl, bt, nw, ns, pps, rr, cr = tiles
     return dict(common, BLOCK_L=min(bl, lmax), BLOCK_T=bt, num_warps=nw, num_stages=ns,
