@@ -168,6 +168,23 @@ def test_fp8_per_head(gen, dtype):
     assert ((dq - w).abs() <= _fp8_bound(w, qw.scale.view(5, 1, 1), dtype)).all()
 
 
+def test_fp8_layouts(gen):
+    """K-major (the default) and contiguous FP8 data hold the same codes; both construct, keep
+    their layout through ``.to`` and dequantize the same."""
+    w = _randn(gen, 3, 32, 24)
+    km = quantize_fp8_weight(w, per_head=True)
+    cont = quantize_fp8_weight(w, per_head=True, k_major=False)
+    assert km.k_major and not cont.k_major
+    assert km.data.transpose(1, 2).is_contiguous() and not km.data.is_contiguous()
+    assert cont.data.is_contiguous() and km.shape == cont.shape == (3, 32, 24)
+    assert torch.equal(km.data.view(torch.uint8), cont.data.view(torch.uint8))
+    assert torch.equal(km.scale, cont.scale)
+    assert torch.equal(km.dequantize(), cont.dequantize())
+    assert km.to("cpu").k_major
+    assert QuantizedWeight(km.data, km.scale, "fp8").k_major
+    assert not quantize_mxfp4_weight(w).k_major
+
+
 def test_fp8_all_zero_tensor():
     qw = quantize_fp8_weight(torch.zeros(2, 4, 8))
     assert qw.scale.tolist() == [1.0]
@@ -351,8 +368,11 @@ BAD = [
     (lambda: QuantizedWeight(_f8(2, 16, 4), torch.ones(3), "fp8"), FuseMLAValueError, "scale"),
     (lambda: QuantizedWeight(_f8(2, 16, 4), torch.ones(2).half(), "fp8"),
      FuseMLATypeError, "scale"),
-    (lambda: QuantizedWeight(_f8(2, 4, 16).transpose(1, 2), torch.ones(1), "fp8"),
-     FuseMLAValueError, "contiguous"),
+    (lambda: QuantizedWeight(_f8(4, 2, 16).transpose(0, 1), torch.ones(1), "fp8"),
+     FuseMLAValueError, "contiguous tensor or a K-major"),
+    (lambda: QuantizedWeight(_u8(1, 4, 16).transpose(1, 2), _u8(1, 1, 4), "mxfp4"),
+     FuseMLAValueError, "data: expected a contiguous tensor, got"),
+    (lambda: quantize_fp8_weight(torch.ones(1, 4, 4), k_major=1), FuseMLATypeError, "k_major"),
     (lambda: QuantizedWeight("x", torch.ones(1), "fp8"), FuseMLATypeError, "data"),
     (lambda: quantize_fp8_weight(torch.ones(4, 4)), FuseMLAValueError, "w_uk_t"),
     (lambda: quantize_fp8_weight(torch.ones(1, 4, 4, dtype=torch.int32)),

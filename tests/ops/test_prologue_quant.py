@@ -57,6 +57,44 @@ def test_fp8_weights(device, dtype, fmt, B, D):
     run_and_compare(mla_prologue, inp, w_uk_t=qw).assert_ok()
 
 
+@pytest.mark.parametrize("weights,layout", [
+    ("bf16", "contiguous"), ("bf16", "k_major"), ("bf16", "vllm_view"),
+    ("fp8-head", "contiguous"), ("fp8-head", "k_major"),
+    ("fp8xfp8", "contiguous"), ("fp8xfp8", "k_major"),
+])
+def test_weight_layouts(device, weights, layout):
+    """The kernel reads W_UK_T in any layout with stride 1 along L or P: contiguous, K-major
+    (quantize_fp8_weight's default) and, for a plain weight, vLLM's permuted view of W_UK
+    [L, H, P] (strides (P, 1, H * P)); every layout gives the bytes the contiguous one gives."""
+    D = 5
+    inp = make_inputs(D, **_dims(device, 4), dtype=torch.bfloat16, device=device,
+                      generator=_gen("layouts", weights, layout))
+
+    def laid_out(x: torch.Tensor) -> torch.Tensor:
+        if layout == "contiguous":
+            return x.contiguous()
+        if layout == "k_major":
+            return x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x.permute(2, 0, 1).contiguous().permute(1, 2, 0)  # [L, H, P] storage
+
+    kw = {"act_quant": "fp8"} if weights == "fp8xfp8" else {}
+    if weights == "bf16":
+        w, w_ref = laid_out(inp.w_uk_t), inp.w_uk_t.contiguous()
+    else:
+        q = quantize_fp8_weight(inp.w_uk_t, per_head=True, k_major=False)
+        w, w_ref = QuantizedWeight(laid_out(q.data), q.scale, "fp8"), q
+    assert (w.stride() if weights == "bf16" else w.data.stride())[1 if layout != "contiguous"
+                                                                     else 2] == 1
+    cache0 = inp.kv_cache.clone()
+    out = inp.run(mla_prologue, w_uk_t=w, **kw)
+    cache = inp.kv_cache.clone()
+    inp.kv_cache.copy_(cache0)
+    want = inp.run(mla_prologue, w_uk_t=w_ref, **kw)
+    assert torch.equal(out.q.view(torch.int16), want.q.view(torch.int16))
+    assert torch.equal(cache.view(torch.uint8), inp.kv_cache.view(torch.uint8))
+    run_and_compare(mla_prologue, inp, w_uk_t=w, **kw).assert_ok()
+
+
 @pytest.mark.parametrize("path", ["dequant", "dot_scaled"])
 @pytest.mark.parametrize("B", [1, 3, 40], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

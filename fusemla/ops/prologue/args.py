@@ -260,7 +260,10 @@ def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype 
             f"w_uk_t: expected dtype {act} (the activations' dtype) or a "
             f"fusemla.quant.QuantizedWeight, got {describe(w_uk_t)}"
         )
-    _last_contiguous("w_uk_t", w_uk_t)
+    if w_uk_t.shape[-1] > 1 and w_uk_t.stride(-1) != 1 and w_uk_t.stride(-2) != 1:
+        raise FuseMLAValueError(
+            "w_uk_t: expected stride 1 along L (the last dim) or along P (K-major), got "
+            f"{describe(w_uk_t)}")
     return w_uk_t
 
 

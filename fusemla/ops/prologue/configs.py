@@ -40,16 +40,19 @@ _overrides: dict[str, Any] = {}
 _CUDA_TILES = {
     # (heads <= 32, bucket, weight format or None for any)
     (True, "small", None): (128, 16, 4, 3, 2.0, 64, 1),
-    # FP8 weights at small batch: one program per 64-column tile, no pipelining (the sweep of
-    # benchmarks/results/h200_sweep_fp8_0e54a86.json: H16 B1/8 4.93/4.94 -> 3.90/3.99 us,
-    # H128 9.71/9.80 -> 8.89/9.21 us with bf16 activations)
-    (True, "small", "fp8"): (64, 16, 8, 1, 0.0, 64, 1),
+    # small batch, bf16 / FP8 weights: one program per (head, L-tile), no pipelining; FP8
+    # weights K-major (quantize_fp8_weight's default). From the layout probe
+    # (benchmarks/results/h200_layout_probe_*.json, PDL off): bf16 H16 B1/8 4.40/4.50 ->
+    # 3.72/3.75 us and H128 9.13/9.42 -> 8.19/8.42 us (the persistent pipelined tiles lost);
+    # FP8 H128 8.87/9.22 (L-major) -> 7.99/8.14 us (K-major)
+    (True, "small", "plain"): (128, 16, 4, 1, 0.0, 64, 1),
+    (True, "small", "fp8"): (64, 16, 4, 1, 0.0, 64, 1),
     (True, "small", "fp8xfp8"): (64, 16, 8, 1, 0.0, 64, 1),
     (False, "small", "fp8xfp8"): (256, 16, 4, 1, 0.0, 64, 1),
     (True, "medium", None): (128, 64, 8, 2, 2.0, 128, 8),
     (True, "large", None): (128, 64, 8, 2, 2.0, 128, 8),
-    (False, "small", "plain"): (128, 16, 4, 3, 2.0, 64, 1),
-    (False, "small", "fp8"): (64, 16, 4, 1, 0.0, 64, 1),
+    (False, "small", "plain"): (128, 16, 4, 1, 0.0, 64, 1),
+    (False, "small", "fp8"): (128, 16, 4, 1, 0.0, 64, 1),
     (False, "small", "mxfp4"): (128, 16, 8, 2, 0.0, 64, 1),
     (False, "medium", None): (128, 64, 8, 2, 2.0, 128, 8),
     (False, "large", "fp8"): (128, 64, 4, 3, 2.0, 64, 4),

@@ -134,7 +134,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         p_qp=qp, s_qp_t=qp.stride(0), s_qp_h=qp.stride(1),
         p_kvc=kvc, s_kvc_t=kvc.stride(0),
         p_kpe=kpe, s_kpe_t=kpe.stride(0),
-        p_w=w_data, s_w_h=w_data.stride(0), s_w_p=w_data.stride(1),
+        p_w=w_data, s_w_h=w_data.stride(0), s_w_p=w_data.stride(1), s_w_l=w_data.stride(2),
         p_ws=w_scale, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
         p_pos=args.positions, s_pos=args.positions.stride(0),
         p_cos=args.cos_cache, s_cos=args.cos_cache.stride(0),
@@ -158,7 +158,8 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         W_FMT=w_fmt, MX_NATIVE=mx_native,
         A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
         A_QUANT=fp8_code(w_data.dtype) if args.act_quant == "fp8" else 0,
-        DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl,
+        DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl, AUX_FIRST=cfg.get("AUX_FIRST", False),
+        W_CACHE=cfg.get("W_CACHE", ""),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_opts,
     )
 
