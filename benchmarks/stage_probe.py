@@ -3,14 +3,14 @@
 Same method as bench_prologue (8-layer CUDA graph, cold weights, PDL off). For each variant:
 
 - ``full``: the whole grid, checked against the reference on the captured graph first;
-- ``full_aux_first``: the same with the RoPE and cache programs dispatched first
-  (``AUX_FIRST``), checked the same way;
 - ``bmm_only``: the BMM programs alone (RoPE and cache programs left out: NOT a correct
   prologue, timed only);
 - ``aux_only``: the RoPE and cache programs alone (no BMM: timed only);
-- ``full_cg``: the whole grid with the weights loaded ``cache_modifier=".cg"`` (``W_CACHE``:
-  cached in L2 only, not L1), checked;
 - ``weight_read``: bench_sections' weight-read floor at this weight size in bytes (timed only).
+
+Two more stages ran once at 82bdabc, whose kernel had two experimental flags since removed
+(they changed nothing measurable, ``h200_stage_probe_82bdabc.json``): the RoPE and cache
+programs dispatched first, and the weights loaded with ``cache_modifier=".cg"``.
 
 Usage: ``python benchmarks/stage_probe.py --out stages.json``.
 """
@@ -45,8 +45,7 @@ VARIANTS = (  # fmt, layout, BLOCK_L, num_warps
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["128x1", "16x1", "128x8"])
-    ap.add_argument("--stages", nargs="+", default=["full", "full_aux_first", "bmm_only",
-                                                    "aux_only", "full_cg"])
+    ap.add_argument("--stages", nargs="+", default=["full", "bmm_only", "aux_only"])
     ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -65,8 +64,7 @@ def main() -> int:
                                          w_format="plain" if fmt == "bf16" else fmt)
             cfg = dict(base, BLOCK_L=bl, num_warps=nw, num_stages=1, programs_per_sm=0.0)
             for stage in a.stages:
-                c = dict(cfg, AUX_FIRST=stage == "full_aux_first",
-                         W_CACHE=".cg" if stage == "full_cg" else "")
+                c = cfg
 
                 def plan(args, backend, cfg=None, stage=stage):
                     p = real_plan(args, backend, cfg)

@@ -250,8 +250,8 @@ class _LayerState:
     # -- the layer's prologue spec (rebuilt when vLLM replaces or reloads a source tensor)
 
     def spec(self, fp8_query: tuple[torch.dtype, torch.Tensor] | None):
-        """The :class:`~fusemla.ops.prologue.args.PrologueSpec` of this layer: W_UK_T (made
-        contiguous in L, or quantized per ``FUSEMLA_VLLM_W_UK``), the split RoPE tables and
+        """The :class:`~fusemla.ops.prologue.args.PrologueSpec` of this layer: W_UK_T (vLLM's
+        own tensor, or quantized per ``FUSEMLA_VLLM_W_UK``), the split RoPE tables and
         the decode query's format (``fp8_query``: FP8 dtype and scale, or None)."""
         from fusemla.ops.prologue.args import build_spec
 
@@ -263,8 +263,9 @@ class _LayerState:
             from fusemla.rope import split_cos_sin_cache
 
             if self.w_uk == "auto":
-                # fusemla wants the L dim contiguous; vLLM keeps a permuted view [H, P, L]
-                w_fused = w if w.stride(-1) == 1 else w.contiguous()
+                # vLLM keeps W_UK_T as a permuted view [H, P, L] of W_UK [L, H, P] (stride 1
+                # along P): the kernel reads it as it is, no copy (any other layout: one copy)
+                w_fused = w if 1 in (w.stride(-1), w.stride(-2)) else w.contiguous()
             else:
                 from fusemla.quant import quantize_fp8_weight
 

@@ -89,9 +89,13 @@ def _rope_q_program(
 def _bmm_weights(
     i_h, i_l, p_w, s_w_h, s_w_p, s_w_l, p_ws, s_ws_h, s_ws_p,
     P: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
-    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, DOT_TY: tl.constexpr, W_CACHE: tl.constexpr,
+    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, DOT_TY: tl.constexpr,
 ):
     """Head ``i_h``'s weights for L-tile ``i_l``, ready for tl.dot: ``(b_w, b_w2, w_scale)``.
+
+    Strides ``s_w_h, s_w_p, s_w_l``: any layout (Triton specializes the stride that is 1, so an
+    L-contiguous and a K-major weight each get their own vectorized load; K-major is the FP8
+    tensor cores' operand layout and the fastest at decode batch sizes).
 
     W_FMT 0: ``b_w`` = the [P, BLOCK_L] slice. 1 (FP8): the slice upcast to DOT_TY (exact),
     ``w_scale`` its per-tensor or per-head scale. 2 (MXFP4), dequantized: ``b_w`` / ``b_w2`` =
@@ -112,8 +116,9 @@ def _bmm_weights(
             b_w2 = tl.load(p_ws + h64 * s_ws_h + o_pb[None, :] * s_ws_p + o_l[:, None])
         else:
             m_w = (o_p2 < P // 2)[:, None] & m_l[None, :]
-            b_byte = tl.load(p_w + h64 * s_w_h + o_p2[:, None] * s_w_p + o_l[None, :] * s_w_l,
-                             mask=m_w, other=0).to(tl.int32)
+            b_byte = tl.load(
+                p_w + h64 * s_w_h + o_p2[:, None] * s_w_p + o_l[None, :] * s_w_l,
+                mask=m_w, other=0).to(tl.int32)
             # rows 2i and 2i+1 share scale block (2i) // 32 = i // 16 (scale bytes: L1 hits)
             b_sc = e8m0_to_f32(tl.load(p_ws + h64 * s_ws_h + (o_p2 // 16)[:, None] * s_ws_p
                                        + o_l[None, :], mask=m_w, other=0))
@@ -122,8 +127,7 @@ def _bmm_weights(
     else:
         o_p = tl.arange(0, BLOCK_P)
         b_w = tl.load(p_w + h64 * s_w_h + o_p[:, None] * s_w_p + o_l[None, :] * s_w_l,
-                      mask=(o_p < P)[:, None] & m_l[None, :], other=0.0,
-                      cache_modifier=W_CACHE).to(DOT_TY)
+                      mask=(o_p < P)[:, None] & m_l[None, :], other=0.0).to(DOT_TY)
         if W_FMT == 1:
             w_scale = tl.load(p_ws + h64 * s_ws_h).to(tl.float32)
         b_w2 = b_w
@@ -194,7 +198,6 @@ def _bmm_program(
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr,
     Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr, H: tl.constexpr,
-    W_CACHE: tl.constexpr,
 ):
     """BMM program ``pid`` of ``n_bmm``: work items ``pid, pid + n_bmm, ...`` of the
     ``H * cdiv(L, BLOCK_L) * cdiv(D, BLOCK_T)`` (head, L-tile, token-tile) items, token tile
@@ -221,9 +224,9 @@ def _bmm_program(
     i_h = pid // n_t // NL
     i_l = pid // n_t % NL
     b_w, b_w2, w_scale = _bmm_weights(
-        i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws, s_ws_h=s_ws_h,
-        s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
-        MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY, W_CACHE=W_CACHE)
+        i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws,
+        s_ws_h=s_ws_h, s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
+        MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY)
     if USE_PDL:
         # weights are never written by the kernel before us: they were loaded while it ran;
         # everything else (activations, scales, outputs) only after it has completed
@@ -239,9 +242,9 @@ def _bmm_program(
         i_h = item // n_t // NL
         i_l = item // n_t % NL
         b_w, b_w2, w_scale = _bmm_weights(
-            i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws, s_ws_h=s_ws_h,
-            s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
-            MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY, W_CACHE=W_CACHE)
+            i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws,
+            s_ws_h=s_ws_h, s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY)
         _bmm_tile(
             i_h=i_h, i_l=i_l, i_t=i_t, b_w=b_w, b_w2=b_w2, w_scale=w_scale, q_scale=q_scale,
             D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h,
@@ -330,7 +333,7 @@ def mla_prologue_kernel(
     IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
-    AUX_FIRST: tl.constexpr, W_CACHE: tl.constexpr, KV_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr,
+    KV_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr,
 ):
     """Programs in order: n_bmm BMM programs (decode tokens; persistent when there are more
     work items than programs), n_rope_d decode q-RoPE row tiles, n_rope_p prefill q-RoPE row
@@ -342,11 +345,6 @@ def mla_prologue_kernel(
     launched at once (``gdc_launch_dependents``) and must wait for this one's results itself.
     """
     pid = tl.program_id(0)
-    if AUX_FIRST:
-        # the RoPE and cache programs (two dependent loads each: position -> cos/sin) are
-        # dispatched first, ahead of the BMM programs' weight stream
-        n_aux = tl.num_programs(0) - n_bmm
-        pid = tl.where(pid < n_aux, pid + n_bmm, pid - n_aux)
     if USE_PDL:
         gdc_launch_dependents()
         if pid >= n_bmm:
@@ -354,12 +352,12 @@ def mla_prologue_kernel(
     if pid < n_bmm:
         _bmm_program(
             pid=pid, n_bmm=n_bmm, D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h,
-            p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
+            p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l,
+            p_ws=p_ws, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
             p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h, p_qs=p_q_scale, q_scale_value=q_scale_value,
             P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
             MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, Q_SCALE_PTR=Q_SCALE_PTR, A_FMT=A_FMT,
             A_QUANT=A_QUANT, DOT_FP32=DOT_FP32, FIX_BF16=FIX_BF16, USE_PDL=USE_PDL, H=H,
-            W_CACHE=W_CACHE,
         )
     elif pid < n_bmm + n_rope_d:
         # decode tokens [0, D): rotated q_pe into the query's last R columns
