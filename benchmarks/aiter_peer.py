@@ -189,8 +189,8 @@ class AiterPrologue:
         config: a dict (see :func:`config_space`) or None for :func:`default_config`.
         weight_layout: ``"aiter"`` (default): the weight is re-laid out once, here, as AITER's
             callers hold it, ``[H, L, P]`` contiguous, and the kernel reads its ``[H, P, L]``
-            transposed view (K contiguous); ``"ours"``: ``w_uk_t`` is passed as that view
-            directly (L contiguous).
+            transposed view (K contiguous); ``"ours"``: ``w_uk_t`` made L-contiguous
+            (fusemla's layout before 0.5.0; a copy if it is K-major).
         q_out: optional preallocated ``[B, H, L + R]`` bf16 output.
 
     ``__call__()`` launches once (no allocation, no sync: CUDA-graph capturable after a first
@@ -238,7 +238,7 @@ class AiterPrologue:
             self.w_k = w_uk_t.transpose(1, 2).contiguous()       # [H, L, P], K contiguous
             self.w_k_t = self.w_k.transpose(1, 2)                 # [H, P, L] view
         elif weight_layout == "ours":
-            self.w_k_t = w_uk_t                                    # [H, P, L], L contiguous
+            self.w_k_t = w_uk_t.contiguous()                       # [H, P, L], L contiguous
             self.w_k = w_uk_t.transpose(1, 2)
         else:
             raise ValueError(f"weight_layout: 'aiter' or 'ours', got {weight_layout!r}")

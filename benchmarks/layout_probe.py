@@ -47,17 +47,16 @@ from fusemla.quant import QuantizedWeight  # noqa: E402
 from fusemla.testing.inputs import DEEPSEEK_V3  # noqa: E402
 
 
-def k_major(w):
-    """The same weight stored K-major (``[H, L, P]`` storage seen as ``[H, P, L]``)."""
+def laid_out(w, layout: str):
+    """The same weight stored L-contiguous ("l") or K-major ("k": ``[H, L, P]`` storage seen as
+    ``[H, P, L]``)."""
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(k_major(w.data), w.scale, w.format)
-    return w.transpose(1, 2).contiguous().transpose(1, 2)
+        return QuantizedWeight(laid_out(w.data, layout), w.scale, w.format)
+    return w.contiguous() if layout == "l" else w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def runner(x, out, fmt: str, layout: str, cfg: dict) -> Runner:
-    w = quantized(x, fmt)
-    if layout == "k":
-        w = k_major(w)
+    w = laid_out(quantized(x, fmt), layout)
     args = list(x.args())
     args[4] = w
     ref_kw = {"act_quant": "fp8"} if fmt == "fp8xfp8" else {}

@@ -440,9 +440,9 @@ def report_lines(info: PlatformInfo) -> list[str]:
         (f"  native FP8 dots: {_yes(info.native_fp8)}{fp8_note}; "
          f"native FP4 (MX) dots: {_yes(info.native_fp4)}"),
         ("  FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers, or with "
-         "act_quant='fp8' an FP8 x FP8 dot"),
-        ("  speed: on the H200, FP8 weights took 0.88-0.98x the bf16-weight prologue time at "
-         "B <= 8 and up to 1.19x at B = 512 (0.4.0), MXFP4 (dequant) 1.4-5.7x (0.3.0): pick a "
+         "act_quant='fp8' an FP8 x FP8 dot; read fastest K-major (quantize_fp8_weight's default)"),
+        ("  speed: on the H200, FP8 weights took 0.93-1.02x the bf16-weight prologue time at "
+         "B <= 64 and up to 1.16x at B = 512 (0.5.0), MXFP4 (dequant) 1.4-5.7x (0.3.0): pick a "
          "weight format for memory, not prologue speed (README, 'FP8 absorbed BMM')"),
     ]
     dims = dict(P=128, L=512, block_l=128)  # DeepSeek-V3
