@@ -65,12 +65,10 @@ def runner(x, out, fmt: str, layout: str, cfg: dict) -> Runner:
                   ref_kw=ref_kw)
 
 
-def grid(B: int, small: list[str] | None = None) -> list[dict]:
+def grid(B: int) -> list[dict]:
     if B <= configs.SMALL_BATCH:
-        tiles = ([tuple(map(int, t.split(":"))) for t in small] if small
-                 else ((64, 4), (64, 8), (128, 4), (128, 8), (256, 4)))
         return [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=1, programs_per_sm=0.0)
-                for bl, nw in tiles]
+                for bl, nw in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 4))]
     return [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
             for bl, bt, nw, ns, pps in ((128, 64, 4, 3, 2.0), (128, 64, 8, 2, 2.0),
                                         (128, 128, 8, 3, 1.0))]
@@ -81,11 +79,6 @@ def main() -> int:
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "fp8xfp8"])
-    ap.add_argument("--layouts", nargs="+", default=["l", "k"], choices=["l", "k"])
-    ap.add_argument("--swap-ab", action="store_true",
-                    help="time every config also with SWAP_AB=True (the transposed dot)")
-    ap.add_argument("--small-grid", nargs="+", default=None,
-                    help="small-batch tiles as BLOCK_L:num_warps (default: the 5 of grid())")
     ap.add_argument("--no-aiter", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -105,19 +98,15 @@ def main() -> int:
         bucket = configs.batch_bucket(B)
         # fp8xfp8 above the small bucket: known slow (0e54a86), not the question here
         fmts = [f for f in a.formats if bucket == "small" or f != "fp8xfp8"]
-        for fmt, layout in itertools.product(fmts, a.layouts):
+        for fmt, layout in itertools.product(fmts, ("l", "k")):
             base = configs.launch_config(H, P, R, L, "cuda", bucket == "small",
                                          large=bucket == "large",
                                          w_format="plain" if fmt == "bf16" else fmt)
-            space = [{}] + grid(B, a.small_grid)
-            if a.swap_ab:
-                space += [dict(o, SWAP_AB=True) for o in space]
-            for i, o in enumerate(space):
+            for i, o in enumerate([{}] + grid(B)):
                 cfg = {**base, **o}
                 key = dict(H=H, B=B, impl="fused", fmt=fmt, layout=layout, shipped=i == 0,
-                           config={k: cfg.get(k, False) for k in (
-                               "BLOCK_L", "BLOCK_T", "num_warps", "num_stages",
-                               "programs_per_sm", "SWAP_AB")})
+                           config={k: cfg[k] for k in ("BLOCK_L", "BLOCK_T", "num_warps",
+                                                       "num_stages", "programs_per_sm")})
                 try:
                     outs = [torch.empty(B, H, L + R, dtype=torch.bfloat16, device="cuda")
                             for _ in layers]
@@ -148,16 +137,15 @@ def main() -> int:
             json.dump(dict(header=header, records=recs, failures=fails), f, indent=1)
     best: dict = {}
     for r in recs:
-        k = (r["H"], r["B"], r["impl"], r["fmt"],
-             r["layout"] + ("+swap" if r["config"].get("SWAP_AB") else ""))
+        k = (r["H"], r["B"], r["impl"], r["fmt"], r["layout"])
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r
-    print(f"\n{'H':>4} {'B':>4} {'impl':<6} {'fmt':<8} {'lay':<6} {'best us':>8} "
+    print(f"\n{'H':>4} {'B':>4} {'impl':<6} {'fmt':<8} {'lay':<3} {'best us':>8} "
           f"{'shipped':>8}  best config")
     for k in sorted(best):
         shipped = [r["us"] for r in recs if r.get("shipped") and
                    (r["H"], r["B"], r["impl"], r["fmt"], r["layout"]) == k]
-        print(f"{k[0]:>4} {k[1]:>4} {k[2]:<6} {k[3]:<8} {k[4]:<6} {best[k]['us']:>8.2f} "
+        print(f"{k[0]:>4} {k[1]:>4} {k[2]:<6} {k[3]:<8} {k[4]:<3} {best[k]['us']:>8.2f} "
               f"{(shipped[0] if shipped else float('nan')):>8.2f}  {best[k]['config']}")
     print(f"{len(recs)} timed, {len(fails)} failed")
     return 1 if fails else 0

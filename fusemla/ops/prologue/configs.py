@@ -29,7 +29,7 @@ SMALL_BATCH = 8
 LARGE_BATCH = 256
 
 _KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
-         "num_warps", "num_stages", "programs_per_sm", "SWAP_AB")
+         "num_warps", "num_stages", "programs_per_sm")
 _overrides: dict[str, Any] = {}
 
 # (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm, ROPE_ROWS, CACHE_ROWS): the best of

@@ -141,7 +141,7 @@ def _bmm_tile(
     P: tl.constexpr, L: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, Q_FP8: tl.constexpr, A_FMT: tl.constexpr,
-    A_QUANT: tl.constexpr, DOT_TY: tl.constexpr, FIX_BF16: tl.constexpr, SWAP_AB: tl.constexpr,
+    A_QUANT: tl.constexpr, DOT_TY: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q[t, i_h, l-tile] = q_nope[t, i_h] @ W for the BLOCK_T tokens of token tile ``i_t``
     (rows >= D masked), weights from :func:`_bmm_weights`.
@@ -149,11 +149,7 @@ def _bmm_tile(
     ``A_QUANT`` (FP8 weights; the FP8 format code of the weight): each token's row is quantized
     to that format with its own scale ``s = amax / fp8_max`` (1 for an all-zero row), codes
     ``saturate(x * (1 / s))`` rounded to nearest even, and the dot runs FP8 x FP8 with exact
-    fp32 accumulation, its result multiplied back by ``s``.
-
-    ``SWAP_AB`` (bf16 / FP8 weights): the dot runs transposed, ``W^T [BLOCK_L, P] @ a^T [P,
-    BLOCK_T]``, so the weight tile is the MMA's M side (its 16-row minimum no longer padded by
-    absent tokens) and the result is stored as ``[BLOCK_L, BLOCK_T]``."""
+    fp32 accumulation, its result multiplied back by ``s``."""
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < D
     o_t64 = o_t.to(tl.int64)
@@ -177,27 +173,18 @@ def _bmm_tile(
             a_scale = tl.math.div_rn(tl.max(tl.abs(b_af), axis=1), fp8_max(A_QUANT))
             a_scale = tl.where(a_scale > 0, a_scale, 1.0)
             a_inv = tl.math.div_rn(tl.full(a_scale.shape, 1.0, tl.float32), a_scale)
-            b_aq = round_to_fp8_grid(b_af * a_inv[:, None], A_QUANT).to(DOT_TY)
+            b_aq = round_to_fp8_grid(b_af * a_inv[:, None], A_QUANT)
             # sm_90's FP8 MMA accumulates imprecisely unless told not to (Triton's default
             # there): exact fp32 accumulation, as the reference's
-            if SWAP_AB:
-                b_o = tl.dot(tl.trans(b_w), tl.trans(b_aq),
-                             max_num_imprecise_acc=0) * a_scale[None, :]
-            else:
-                b_o = tl.dot(b_aq, b_w, max_num_imprecise_acc=0) * a_scale[:, None]
-        elif SWAP_AB:
-            b_o = tl.dot(tl.trans(b_w), tl.trans(b_a.to(DOT_TY)))
+            b_o = tl.dot(b_aq.to(DOT_TY), b_w, max_num_imprecise_acc=0) * a_scale[:, None]
         else:
             b_o = tl.dot(b_a.to(DOT_TY), b_w)
     if W_FMT == 1:
         b_o = b_o * w_scale
-    b_o = cast_rne(quantize_value(b_o, q_scale, Q_FP8), p_q.dtype.element_ty, FIX_BF16)
-    if SWAP_AB:  # b_o is [BLOCK_L, BLOCK_T]
-        tl.store(p_q + o_t64[None, :] * s_q_t + i_h * s_q_h + o_l[:, None], b_o,
-                 mask=(o_l < L)[:, None] & m_t[None, :])
-    else:
-        tl.store(p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :], b_o,
-                 mask=m_t[:, None] & (o_l < L)[None, :])
+    b_o = quantize_value(b_o, q_scale, Q_FP8)
+    p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
+    tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16),
+             mask=m_t[:, None] & (o_l < L)[None, :])
 
 
 @triton.jit
@@ -211,7 +198,6 @@ def _bmm_program(
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr,
     Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
     DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr, H: tl.constexpr,
-    SWAP_AB: tl.constexpr,
 ):
     """BMM program ``pid`` of ``n_bmm``: work items ``pid, pid + n_bmm, ...`` of the
     ``H * cdiv(L, BLOCK_L) * cdiv(D, BLOCK_T)`` (head, L-tile, token-tile) items, token tile
@@ -250,8 +236,7 @@ def _bmm_program(
         i_h=i_h, i_l=i_l, i_t=i_t, b_w=b_w, b_w2=b_w2, w_scale=w_scale, q_scale=q_scale, D=D,
         p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h, P=P, L=L,
         BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT, MX_NATIVE=MX_NATIVE,
-        Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY, FIX_BF16=FIX_BF16,
-        SWAP_AB=SWAP_AB)
+        Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY, FIX_BF16=FIX_BF16)
     for item in range(pid + n_bmm, n_items, n_bmm):
         i_t = item % n_t
         i_h = item // n_t // NL
@@ -265,7 +250,7 @@ def _bmm_program(
             D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h,
             P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
             MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY,
-            FIX_BF16=FIX_BF16, SWAP_AB=SWAP_AB)
+            FIX_BF16=FIX_BF16)
 
 
 @triton.jit
@@ -347,7 +332,7 @@ def mla_prologue_kernel(
     CACHE_ROWS: tl.constexpr,
     IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
     W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
-    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
     KV_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr,
 ):
     """Programs in order: n_bmm BMM programs (decode tokens; persistent when there are more
@@ -373,7 +358,6 @@ def mla_prologue_kernel(
             P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
             MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, Q_SCALE_PTR=Q_SCALE_PTR, A_FMT=A_FMT,
             A_QUANT=A_QUANT, DOT_FP32=DOT_FP32, FIX_BF16=FIX_BF16, USE_PDL=USE_PDL, H=H,
-            SWAP_AB=SWAP_AB,
         )
     elif pid < n_bmm + n_rope_d:
         # decode tokens [0, D): rotated q_pe into the query's last R columns

@@ -158,8 +158,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         W_FMT=w_fmt, MX_NATIVE=mx_native,
         A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
         A_QUANT=fp8_code(w_data.dtype) if args.act_quant == "fp8" else 0,
-        DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl,
-        SWAP_AB=bool(cfg.get("SWAP_AB", False)) and w_fmt != 2,  # not for MXFP4's dots 
+        DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl, 
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_opts,
     )
 
