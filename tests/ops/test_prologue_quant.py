@@ -57,18 +57,18 @@ def test_fp8_weights(device, dtype, fmt, B, D):
     run_and_compare(mla_prologue, inp, w_uk_t=qw).assert_ok()
 
 
+@pytest.mark.parametrize("D", [5, 40], ids=lambda d: f"D{d}")  # small / medium tile bucket
 @pytest.mark.parametrize("weights,layout", [
     ("bf16", "contiguous"), ("bf16", "k_major"), ("bf16", "vllm_view"),
     ("fp8-head", "contiguous"), ("fp8-head", "k_major"),
     ("fp8xfp8", "contiguous"), ("fp8xfp8", "k_major"),
 ])
-def test_weight_layouts(device, weights, layout):
+def test_weight_layouts(device, weights, layout, D):
     """The kernel reads W_UK_T in any layout with stride 1 along L or P: contiguous, K-major
     (quantize_fp8_weight's default) and, for a plain weight, vLLM's permuted view of W_UK
     [L, H, P] (strides (P, 1, H * P)); every layout gives the bytes the contiguous one gives."""
-    D = 5
     inp = make_inputs(D, **_dims(device, 4), dtype=torch.bfloat16, device=device,
-                      generator=_gen("layouts", weights, layout))
+                      generator=_gen("layouts", weights, layout, D))
 
     def laid_out(x: torch.Tensor) -> torch.Tensor:
         if layout == "contiguous":
