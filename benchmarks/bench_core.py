@@ -285,6 +285,40 @@ def decode_runner(impl: str, x, H: int, b: Bench) -> Runner:
     raise ValueError(impl)
 
 
+def aiter_peers(layers: list, cfg: dict | None, weight_layout: str = "aiter") -> list:
+    """AMD AITER's fused kernel (``aiter_peer.AiterPrologue``) on each layer's inputs with the
+    layer's FP8 weight (``cfg`` None: AITER's default config), each launched once so it is
+    compiled outside the graph."""
+    import aiter_peer as ap
+
+    peers = []
+    for x in layers:
+        w = quantized(x, "fp8")
+        peers.append(ap.AiterPrologue(
+            w.data, w.scale, x.q_nope, x.q_pe, x.kv_c, x.k_pe, x.positions, x.cos_cache,
+            x.sin_cache, x.kv_cache, x.slot_mapping, kv_scale=x.kv_scale, is_neox=False,
+            config=cfg, weight_layout=weight_layout))
+        peers[-1]()
+    return peers
+
+
+def aiter_check(p, x) -> Callable:
+    """check(replay) for AITER peer ``p`` on layer ``x``: poison its q and the cache, replay,
+    compare with ``aiter_peer.reference`` (``aiter_peer.check``'s tolerances)."""
+    import aiter_peer as ap
+
+    def check(replay):
+        poison_(p.q_out)
+        poison_(x.kv_cache)
+        before = x.kv_cache.clone()
+        replay()
+        sync(x.q_nope.device)
+        ref_q, ref_cache = ap.reference(p, before)
+        return ap.check(p, ref_q, ref_cache)
+
+    return check
+
+
 def bmm_check(x, r: Runner) -> Callable:
     def check(replay):
         poison_(r.result)

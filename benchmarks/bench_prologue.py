@@ -108,10 +108,10 @@ from bench_core import (  # noqa: E402
     W_FORMATS,
     Bench,
     Runner,
+    aiter_check,
+    aiter_peers,
     bmm_check,
     copy_bandwidth_gbps,
-    poison_,
-    quantized,
     decode_runner,
     empty_cache,
     fmt_key,
@@ -279,32 +279,15 @@ def aiter_rows(b: Bench, a) -> None:
         base = dict(op="decode_prologue", kv_dtype="bf16", H=H, B=B, w_dtype="fp8xfp8")
         results = []
         if a.aiter_quick:  # AITER's default and the winners of the full sweep (0e54a86)
-            space = [c for c in full if (c["BLOCK_SIZE_M"], c["num_warps"]) == (16, 4)
-                     and (c["BLOCK_SIZE_N"], c["num_stages"]) in ((64, 1), (128, 1), (64, 3))]
+            space = ap.quick_configs()
         else:
             space = full if B <= configs.SMALL_BATCH else large
         for cfg in [None] + space:
             key = dict(base, impl="aiter_fp8", config=cfg or "default")
             try:
-                peers = []
-                for x in layers:
-                    w = quantized(x, "fp8")
-                    peers.append(ap.AiterPrologue(
-                        w.data, w.scale, x.q_nope, x.q_pe, x.kv_c, x.k_pe, x.positions,
-                        x.cos_cache, x.sin_cache, x.kv_cache, x.slot_mapping,
-                        kv_scale=x.kv_scale, is_neox=False, config=cfg))
-                    peers[-1]()  # compile outside the graph
-
-                def check(replay, p=peers[0], x=layers[0]):
-                    poison_(p.q_out)
-                    poison_(x.kv_cache)
-                    before = x.kv_cache.clone()
-                    replay()
-                    torch.cuda.synchronize()
-                    ref_q, ref_cache = ap.reference(p, before)
-                    return ap.check(p, ref_q, ref_cache)
-
-                us = b.time(peers, check=check, rep=250 if cfg is None else 40)
+                peers = aiter_peers(layers, cfg)
+                us = b.time(peers, check=aiter_check(peers[0], layers[0]),
+                            rep=250 if cfg is None else 40)
             except CheckFailed as e:
                 b.fail(key, e.problems)
                 continue

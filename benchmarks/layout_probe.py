@@ -34,7 +34,8 @@ from bench_core import (  # noqa: E402
     Bench,
     CheckFailed,
     Runner,
-    poison_,
+    aiter_check,
+    aiter_peers,
     prologue_check,
     quantized,
 )
@@ -158,31 +159,12 @@ def aiter(b: Bench, layers, H: int, B: int, recs: list, fails: list) -> None:
     if why is not None:
         print("aiter unavailable:", why)
         return
-    space = [c for c in ap.config_space() if (c["BLOCK_SIZE_M"], c["num_warps"]) == (16, 4)
-             and (c["BLOCK_SIZE_N"], c["num_stages"]) in ((64, 1), (128, 1), (64, 3))]
-    for cfg, layout in itertools.product(space, ("k", "l")):
+    for cfg, layout in itertools.product(ap.quick_configs(), ("k", "l")):
         key = dict(H=H, B=B, impl="aiter", fmt="fp8xfp8", layout=layout, shipped=False,
                    config=cfg)
         try:
-            peers = []
-            for x in layers:
-                w = quantized(x, "fp8")
-                peers.append(ap.AiterPrologue(
-                    w.data, w.scale, x.q_nope, x.q_pe, x.kv_c, x.k_pe, x.positions,
-                    x.cos_cache, x.sin_cache, x.kv_cache, x.slot_mapping, kv_scale=x.kv_scale,
-                    is_neox=False, config=cfg, weight_layout="aiter" if layout == "k" else "ours"))
-                peers[-1]()
-
-            def check(replay, p=peers[0], x=layers[0]):
-                poison_(p.q_out)
-                poison_(x.kv_cache)
-                before = x.kv_cache.clone()
-                replay()
-                torch.cuda.synchronize()
-                ref_q, ref_cache = ap.reference(p, before)
-                return ap.check(p, ref_q, ref_cache)
-
-            us = b.time(peers, check=check, rep=40)
+            peers = aiter_peers(layers, cfg, "aiter" if layout == "k" else "ours")
+            us = b.time(peers, check=aiter_check(peers[0], layers[0]), rep=40)
         except CheckFailed as e:
             fails.append(dict(key, problems=e.problems))
             continue

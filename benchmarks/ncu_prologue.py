@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_core import BLOCK_SIZE, Bench, quantized  # noqa: E402
+from bench_core import BLOCK_SIZE, Bench, aiter_peers  # noqa: E402
 from layout_probe import runner  # noqa: E402
 
 from fusemla.ops.prologue import configs  # noqa: E402
@@ -51,14 +51,10 @@ def main() -> int:
     import aiter_peer as ap
 
     if ap.available() is None:
-        w = quantized(x, "fp8")
+        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
+                   num_warps=4, num_stages=1, cache_modifier=".cg")
         for layout in ("k", "l"):
-            cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
-                       num_warps=4, num_stages=1, cache_modifier=".cg")
-            p = ap.AiterPrologue(w.data, w.scale, x.q_nope, x.q_pe, x.kv_c, x.k_pe,
-                                 x.positions, x.cos_cache, x.sin_cache, x.kv_cache,
-                                 x.slot_mapping, kv_scale=x.kv_scale, is_neox=False, config=cfg,
-                                 weight_layout="aiter" if layout == "k" else "ours")
+            p = aiter_peers([x], cfg, "aiter" if layout == "k" else "ours")[0]
             calls.append((f"aiter fp8xfp8/{layout}", p))
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _, fn in calls:

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_core import BLOCK_SIZE, Bench, prologue_check  # noqa: E402
+from bench_core import Bench, prologue_check  # noqa: E402
 from peers import weight_read, weight_read_programs  # noqa: E402
 from common import commit_id  # noqa: E402
 from layout_probe import runner  # noqa: E402

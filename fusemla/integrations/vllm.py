@@ -253,7 +253,7 @@ class _LayerState:
         """The :class:`~fusemla.ops.prologue.args.PrologueSpec` of this layer: W_UK_T (vLLM's
         own tensor, or quantized per ``FUSEMLA_VLLM_W_UK``), the split RoPE tables and
         the decode query's format (``fp8_query``: FP8 dtype and scale, or None)."""
-        from fusemla.ops.prologue.args import build_spec
+        from fusemla.ops.prologue.args import build_spec, weight_layout_readable
 
         w = self.ad.w_uk_t(self.attn)
         cache = self.ad.cos_sin_cache(self.rotary_emb)
@@ -265,7 +265,7 @@ class _LayerState:
             if self.w_uk == "auto":
                 # vLLM keeps W_UK_T as a permuted view [H, P, L] of W_UK [L, H, P] (stride 1
                 # along P): the kernel reads it as it is, no copy (any other layout: one copy)
-                w_fused = w if 1 in (w.stride(-1), w.stride(-2)) else w.contiguous()
+                w_fused = w if weight_layout_readable(w) else w.contiguous()
             else:
                 from fusemla.quant import quantize_fp8_weight
 

@@ -260,11 +260,17 @@ def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype 
             f"w_uk_t: expected dtype {act} (the activations' dtype) or a "
             f"fusemla.quant.QuantizedWeight, got {describe(w_uk_t)}"
         )
-    if w_uk_t.shape[-1] > 1 and w_uk_t.stride(-1) != 1 and w_uk_t.stride(-2) != 1:
+    if not weight_layout_readable(w_uk_t):
         raise FuseMLAValueError(
             "w_uk_t: expected stride 1 along L (the last dim) or along P (K-major), got "
             f"{describe(w_uk_t)}")
     return w_uk_t
+
+
+def weight_layout_readable(w_uk_t: torch.Tensor) -> bool:
+    """The kernel reads a plain ``[H, P, L]`` weight as it is when it has stride 1 along L or
+    along P (K-major, e.g. vLLM's permuted view of W_UK); any other layout needs a copy."""
+    return w_uk_t.shape[-1] <= 1 or 1 in (w_uk_t.stride(-1), w_uk_t.stride(-2))
 
 
 def build_spec(
