@@ -73,19 +73,29 @@ import torch
 #: the AITER commit the files in .peers/aiter come from (ROCm/aiter on GitHub)
 AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
 #: where the carried AITER files live (git-ignored); AITER_PEER_DIR overrides
-PEER_DIR = Path(os.environ.get("AITER_PEER_DIR",
-                               Path(__file__).resolve().parents[1] / ".peers" / "aiter"))
+PEER_DIR = Path(
+    os.environ.get("AITER_PEER_DIR", Path(__file__).resolve().parents[1] / ".peers" / "aiter")
+)
 KERNEL_MODULE = "aiter.ops.triton._triton_kernels.fusions.fused_bmm_rope_kv_cache"
 KERNEL_NAME = "_fused_fp8_bmm_rope_cat_and_cache_mla_kernel"
 WRAPPER_MODULE = "aiter.ops.triton.fusions.fused_bmm_rope_kv_cache"
-CONFIG_MODULE = ("aiter.ops.triton._triton_kernels.gemm.batched."
-                 "batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant")
+CONFIG_MODULE = (
+    "aiter.ops.triton._triton_kernels.gemm.batched."
+    "batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant"
+)
 
 #: launch options in AITER's config tables that only AMD's Triton backend knows
 AMD_ONLY_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 #: config keys this loader passes on
-CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
-               "num_stages", "cache_modifier")
+CONFIG_KEYS = (
+    "BLOCK_SIZE_M",
+    "BLOCK_SIZE_N",
+    "BLOCK_SIZE_K",
+    "GROUP_SIZE_M",
+    "num_warps",
+    "num_stages",
+    "cache_modifier",
+)
 #: AITER's per-token activation-quantization group (its wrapper's default; = P for DeepSeek)
 GROUP_SIZE = 128
 
@@ -159,23 +169,38 @@ def config_space() -> list[dict]:
     """36 tile configs for a sweep: BLOCK_SIZE_M {16, 32} x BLOCK_SIZE_N {32, 64, 128} x
     num_warps {4, 8} x num_stages {1, 2, 3}; BLOCK_SIZE_K = 128 (= the quant group = P),
     GROUP_SIZE_M 1 and cache_modifier '.cg' as in AITER's tables."""
-    return [dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=GROUP_SIZE, GROUP_SIZE_M=1,
-                 num_warps=nw, num_stages=ns, cache_modifier=".cg")
-            for bm in (16, 32) for bn in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)]
+    return [
+        dict(
+            BLOCK_SIZE_M=bm,
+            BLOCK_SIZE_N=bn,
+            BLOCK_SIZE_K=GROUP_SIZE,
+            GROUP_SIZE_M=1,
+            num_warps=nw,
+            num_stages=ns,
+            cache_modifier=".cg",
+        )
+        for bm in (16, 32)
+        for bn in (32, 64, 128)
+        for nw in (4, 8)
+        for ns in (1, 2, 3)
+    ]
 
 
 def quick_configs() -> list[dict]:
     """The 3 configs of :func:`config_space` that won the full H200 sweep at 0e54a86 (16-token,
     4-warp tiles: 64 columns with 1 or 3 stages, 128 columns with 1)."""
-    return [c for c in config_space() if (c["BLOCK_SIZE_M"], c["num_warps"]) == (16, 4)
-            and (c["BLOCK_SIZE_N"], c["num_stages"]) in ((64, 1), (128, 1), (64, 3))]
+    return [
+        c
+        for c in config_space()
+        if (c["BLOCK_SIZE_M"], c["num_warps"]) == (16, 4)
+        and (c["BLOCK_SIZE_N"], c["num_stages"]) in ((64, 1), (128, 1), (64, 3))
+    ]
 
 
 def _scalar_f32(x, device, name: str) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.tensor(float(x))
     if t.numel() != 1:
-        raise ValueError(f"{name}: AITER takes one per-tensor scale, got shape "
-                         f"{tuple(t.shape)}")
+        raise ValueError(f"{name}: AITER takes one per-tensor scale, got shape {tuple(t.shape)}")
     return t.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
 
 
@@ -205,10 +230,25 @@ class AiterPrologue:
     (AITER's extra rotated-k_pe output), ``kv_cache`` (the caller's tensor).
     """
 
-    def __init__(self, w_uk_t, w_scale, q_nope, q_pe, kv_c, k_pe, positions, cos_cache,
-                 sin_cache, kv_cache, slot_mapping, kv_scale=None, is_neox: bool = False,
-                 config: dict | None = None, weight_layout: str = "aiter",
-                 q_out: torch.Tensor | None = None):
+    def __init__(
+        self,
+        w_uk_t,
+        w_scale,
+        q_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_cache,
+        slot_mapping,
+        kv_scale=None,
+        is_neox: bool = False,
+        config: dict | None = None,
+        weight_layout: str = "aiter",
+        q_out: torch.Tensor | None = None,
+    ):
         import triton
 
         self.kernel = _load()["kernel"]
@@ -218,18 +258,23 @@ class AiterPrologue:
         if w_uk_t.dtype != torch.float8_e4m3fn:
             raise ValueError(f"w_uk_t: expected float8_e4m3fn, got {w_uk_t.dtype}")
         if (H2, P2) != (H, P) or tuple(q_pe.shape) != (B, H, R):
-            raise ValueError(f"shapes: w_uk_t {tuple(w_uk_t.shape)}, q_nope "
-                             f"{tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}")
+            raise ValueError(
+                f"shapes: w_uk_t {tuple(w_uk_t.shape)}, q_nope "
+                f"{tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}"
+            )
         if tuple(kv_c.shape) != (B, L) or tuple(k_pe.shape) != (B, R):
             raise ValueError(f"shapes: kv_c {tuple(kv_c.shape)}, k_pe {tuple(k_pe.shape)}")
         if P != GROUP_SIZE:
             raise ValueError(f"P={P}: this loader keeps AITER's group_size {GROUP_SIZE} = P")
         if tuple(cos_cache.shape[1:]) != (R // 2,) or cos_cache.shape != sin_cache.shape:
-            raise ValueError(f"cos/sin caches: expected [max_pos, {R // 2}], got "
-                             f"{tuple(cos_cache.shape)} / {tuple(sin_cache.shape)}")
+            raise ValueError(
+                f"cos/sin caches: expected [max_pos, {R // 2}], got "
+                f"{tuple(cos_cache.shape)} / {tuple(sin_cache.shape)}"
+            )
         if kv_cache.shape[-1] != L + R or kv_cache.dim() != 3:
-            raise ValueError(f"kv_cache: expected [blocks, block_size, {L + R}], got "
-                             f"{tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache: expected [blocks, block_size, {L + R}], got {tuple(kv_cache.shape)}"
+            )
         if tuple(positions.shape) != (B,) or tuple(slot_mapping.shape) != (B,):
             raise ValueError("positions / slot_mapping: expected [B]")
         if not slot_mapping.is_contiguous():
@@ -242,10 +287,10 @@ class AiterPrologue:
 
         # weight: AITER's w_k_t = w_k.transpose(1, 2) is what the kernel reads ([H, P, L] view)
         if weight_layout == "aiter":
-            self.w_k = w_uk_t.transpose(1, 2).contiguous()       # [H, L, P], K contiguous
-            self.w_k_t = self.w_k.transpose(1, 2)                 # [H, P, L] view
+            self.w_k = w_uk_t.transpose(1, 2).contiguous()  # [H, L, P], K contiguous
+            self.w_k_t = self.w_k.transpose(1, 2)  # [H, P, L] view
         elif weight_layout == "ours":
-            self.w_k_t = w_uk_t.contiguous()                       # [H, P, L], L contiguous
+            self.w_k_t = w_uk_t.contiguous()  # [H, P, L], L contiguous
             self.w_k = w_uk_t.transpose(1, 2)
         else:
             raise ValueError(f"weight_layout: 'aiter' or 'ours', got {weight_layout!r}")
@@ -253,21 +298,27 @@ class AiterPrologue:
         self.w_scale = _scalar_f32(w_scale, dev, "w_scale")
 
         self.q_nope, self.q_pe, self.kv_c, self.k_pe = q_nope, q_pe, kv_c, k_pe
-        self.a = q_nope.transpose(0, 1)                           # AITER's q_nope [H, B, P]
-        self.k_nope3 = kv_c.unsqueeze(1)                          # [B, KH=1, L]
-        self.k_rope3 = k_pe.unsqueeze(1)                          # [B, KH=1, R]
+        self.a = q_nope.transpose(0, 1)  # AITER's q_nope [H, B, P]
+        self.k_nope3 = kv_c.unsqueeze(1)  # [B, KH=1, L]
+        self.k_rope3 = k_pe.unsqueeze(1)  # [B, KH=1, R]
         self.positions, self.slot_mapping = positions, slot_mapping
         self.cos, self.sin = cos_cache, sin_cache
 
         self.kv_cache = kv_cache
         cache = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
-        self.cache3 = cache.view(-1, 1, L + R)                    # AITER: [slots, KH=1, L+R]
+        self.cache3 = cache.view(-1, 1, L + R)  # AITER: [slots, KH=1, L+R]
         self.fp8_cache = cache.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-        self.k_scale = _scalar_f32(1.0 if kv_scale is None else kv_scale, dev, "kv_scale") \
-            if self.fp8_cache else None
+        self.k_scale = (
+            _scalar_f32(1.0 if kv_scale is None else kv_scale, dev, "kv_scale")
+            if self.fp8_cache
+            else None
+        )
 
-        self.q_out = q_out if q_out is not None else torch.empty(
-            (B, H, L + R), dtype=torch.bfloat16, device=dev)
+        self.q_out = (
+            q_out
+            if q_out is not None
+            else torch.empty((B, H, L + R), dtype=torch.bfloat16, device=dev)
+        )
         if tuple(self.q_out.shape) != (B, H, L + R):
             raise ValueError(f"q_out: expected [{B}, {H}, {L + R}]")
         # AITER's side outputs: rotated k_pe (always written) and two empty "zeros" outputs
@@ -281,7 +332,7 @@ class AiterPrologue:
         self.num_pid_n = triton.cdiv(L, c["BLOCK_SIZE_N"])
         self.grid_mn = self.num_pid_m * self.num_pid_n
         self.bmm_programs = H * self.grid_mn
-        self.grid = (self.bmm_programs + B * H,)     # + (B_slot - B) * KH prefill programs = 0
+        self.grid = (self.bmm_programs + B * H,)  # + (B_slot - B) * KH prefill programs = 0
         self._build_args(is_neox)
 
     def _build_args(self, is_neox: bool) -> None:
@@ -290,40 +341,88 @@ class AiterPrologue:
         kv, c = self.cache3, self.config
         B, H = self.B, self.H
         self.args = (
-            a, b, self.w_scale, qo, q, kn, kr, self.positions, self.cos, self.sin,
-            self.decode_q_pe_out, kpo, zq, kv, self.slot_mapping,
-            B, self.L, self.P,                       # M, N, K
-            B, B,                                    # B, B_slot
-            0,                                       # num_decode_toks_for_zeros
-            H, 1,                                    # QH, KH
-            self.bmm_programs, self.grid_mn, self.num_pid_m, self.num_pid_n,
-            a.stride(0), a.stride(1), a.stride(2),
-            b.stride(0), b.stride(1), b.stride(2),
-            qo.stride(1), qo.stride(0), qo.stride(2),    # BMM output: head, token, latent
-            q.stride(0), q.stride(1), q.stride(2),
-            kn.stride(0), kn.stride(1), kn.stride(2),
-            kr.stride(0), kr.stride(1), kr.stride(2),
+            a,
+            b,
+            self.w_scale,
+            qo,
+            q,
+            kn,
+            kr,
+            self.positions,
+            self.cos,
+            self.sin,
+            self.decode_q_pe_out,
+            kpo,
+            zq,
+            kv,
+            self.slot_mapping,
+            B,
+            self.L,
+            self.P,  # M, N, K
+            B,
+            B,  # B, B_slot
+            0,  # num_decode_toks_for_zeros
+            H,
+            1,  # QH, KH
+            self.bmm_programs,
+            self.grid_mn,
+            self.num_pid_m,
+            self.num_pid_n,
+            a.stride(0),
+            a.stride(1),
+            a.stride(2),
+            b.stride(0),
+            b.stride(1),
+            b.stride(2),
+            qo.stride(1),
+            qo.stride(0),
+            qo.stride(2),  # BMM output: head, token, latent
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            kn.stride(0),
+            kn.stride(1),
+            kn.stride(2),
+            kr.stride(0),
+            kr.stride(1),
+            kr.stride(2),
             self.positions.stride(0),
-            self.cos.stride(0), self.cos.stride(-1),
-            qo.stride(0), qo.stride(1), qo.stride(2),
-            0, 0, 0,                                 # decode_q_pe_out (no zeros tokens)
-            kpo.stride(0), kpo.stride(1), kpo.stride(2),
-            zq.stride(0), zq.stride(1), zq.stride(2),
-            kv.stride(0), kv.stride(1), kv.stride(2),
+            self.cos.stride(0),
+            self.cos.stride(-1),
+            qo.stride(0),
+            qo.stride(1),
+            qo.stride(2),
+            0,
+            0,
+            0,  # decode_q_pe_out (no zeros tokens)
+            kpo.stride(0),
+            kpo.stride(1),
+            kpo.stride(2),
+            zq.stride(0),
+            zq.stride(1),
+            zq.stride(2),
+            kv.stride(0),
+            kv.stride(1),
+            kv.stride(2),
         )
         self.kwargs = dict(
             k_scale_ptr=self.k_scale,
-            BLOCK_SIZE_M=c["BLOCK_SIZE_M"], BLOCK_SIZE_N=c["BLOCK_SIZE_N"],
-            BLOCK_SIZE_K=c["BLOCK_SIZE_K"], GROUP_SIZE_M=c["GROUP_SIZE_M"],
+            BLOCK_SIZE_M=c["BLOCK_SIZE_M"],
+            BLOCK_SIZE_N=c["BLOCK_SIZE_N"],
+            BLOCK_SIZE_K=c["BLOCK_SIZE_K"],
+            GROUP_SIZE_M=c["GROUP_SIZE_M"],
             QH_PER_KH=H,
-            REUSE_FREQS_FRONT_PART=True,             # cos/sin are [max_pos, R/2]
+            REUSE_FREQS_FRONT_PART=True,  # cos/sin are [max_pos, R/2]
             IS_NEOX=bool(is_neox),
-            BLOCK_D_nope=self.L, BLOCK_DK_nope=self.L,
-            BLOCK_D_pe=self.R, BLOCK_D_HALF_pe=self.R // 2,
-            OUTPUT_Q_NOPE_ZEROS=True,                # as the wrapper (it always passes a tensor)
+            BLOCK_D_nope=self.L,
+            BLOCK_DK_nope=self.L,
+            BLOCK_D_pe=self.R,
+            BLOCK_D_HALF_pe=self.R // 2,
+            OUTPUT_Q_NOPE_ZEROS=True,  # as the wrapper (it always passes a tensor)
             HAVE_K_SCALE=self.k_scale is not None,
             DTYPE_MAX=float(torch.finfo(self.w_k_t.dtype).max),
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
+            num_warps=c["num_warps"],
+            num_stages=c["num_stages"],
             cache_modifier=c["cache_modifier"],
         )
 
@@ -347,30 +446,30 @@ def reference(p: AiterPrologue, cache_before: torch.Tensor, act_quant: str | Non
     ``[kv_c, rope(k_pe)]`` (bf16 rounding, or FP8 codes ``saturate(x / kv_scale)`` of the fp32
     rotated values, not rounded to bf16 first, as AITER).
     """
-    w = p.w_k_t.float() * p.w_scale.float()                               # [H, P, L]
-    qn = p.q_nope.transpose(0, 1).float()                                 # [H, B, P]
+    w = p.w_k_t.float() * p.w_scale.float()  # [H, P, L]
+    qn = p.q_nope.transpose(0, 1).float()  # [H, B, P]
     if act_quant == "aiter":
         fmax = torch.finfo(p.w_k_t.dtype).max
         s = qn.abs().amax(-1, keepdim=True).clamp_min(1e-10) * (1.0 / fmax)  # as the kernel
         qn = (qn * (1.0 / s)).clamp(-fmax, fmax).to(p.w_k_t.dtype).float() * s
     elif act_quant is not None:
         raise ValueError(f"act_quant: None or 'aiter', got {act_quant!r}")
-    ql = torch.bmm(qn, w).transpose(0, 1)                                 # [B, H, L]
+    ql = torch.bmm(qn, w).transpose(0, 1)  # [B, H, L]
     pos = p.positions.long()
-    cos = p.cos.float()[pos]                                              # [B, R/2]
+    cos = p.cos.float()[pos]  # [B, R/2]
     sin = p.sin.float()[pos]
 
     def rope(x, c, s):
         x = x.float()
         if p.kwargs["IS_NEOX"]:
-            a, b = x[..., : p.R // 2], x[..., p.R // 2:]
+            a, b = x[..., : p.R // 2], x[..., p.R // 2 :]
             return torch.cat([a * c - b * s, b * c + a * s], -1)
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
 
-    q_rot = rope(p.q_pe, cos[:, None, :], sin[:, None, :])                # [B, H, R]
+    q_rot = rope(p.q_pe, cos[:, None, :], sin[:, None, :])  # [B, H, R]
     ref_q = torch.cat([ql, q_rot], -1)
-    rows = torch.cat([p.kv_c.float(), rope(p.k_pe, cos, sin)], -1)        # [B, L+R]
+    rows = torch.cat([p.kv_c.float(), rope(p.k_pe, cos, sin)], -1)  # [B, L+R]
     ref_cache = cache_before.clone()
     flat = ref_cache.view(-1, p.L + p.R)
     if ref_cache.dtype == torch.uint8:
@@ -402,18 +501,20 @@ def errors(p: AiterPrologue, ref_q: torch.Tensor, ref_cache: torch.Tensor) -> di
     q = p.q_out.float()
     rq = ref_q.float()
     d = q[..., :L] - rq[..., :L]
-    out = {"bmm_rel": (d.norm() / rq[..., :L].norm().clamp_min(1e-30)).item(),
-           "bmm_max_rel": (d.abs().max() / rq[..., :L].abs().max().clamp_min(1e-30)).item()}
+    out = {
+        "bmm_rel": (d.norm() / rq[..., :L].norm().clamp_min(1e-30)).item(),
+        "bmm_max_rel": (d.abs().max() / rq[..., :L].abs().max().clamp_min(1e-30)).item(),
+    }
 
     def ulps(x, r, floor):  # |x - r| in bf16 ulps of r (2^(e-7)), at least `floor` absolute
         r = r.float()
-        e = torch.floor(torch.log2(r.abs().clamp_min(2.0 ** -126)))
+        e = torch.floor(torch.log2(r.abs().clamp_min(2.0**-126)))
         return ((x.float() - r).abs() / torch.exp2(e - 7).clamp_min(floor)).max().item()
 
     # where a rotation cancels (|a*c - b*s| << |a|), fp32 rounding-order differences are many
     # ulps of the tiny result: the unit is at least 2^-14 of the largest input there
-    q_floor = 2.0 ** -14 * p.q_pe.float().abs().max().item()
-    k_floor = 2.0 ** -14 * p.k_pe.float().abs().max().item()
+    q_floor = 2.0**-14 * p.q_pe.float().abs().max().item()
+    k_floor = 2.0**-14 * p.k_pe.float().abs().max().item()
     out["rope_max_ulp"] = ulps(q[..., L:], rq[..., L:].to(torch.bfloat16), q_floor)
     got = p.kv_cache.view(-1, L + p.R)
     exp = ref_cache.view(-1, L + p.R)
@@ -437,8 +538,14 @@ def errors(p: AiterPrologue, ref_q: torch.Tensor, ref_cache: torch.Tensor) -> di
     return out
 
 
-def check(aiter: AiterPrologue, ref_q: torch.Tensor, ref_cache: torch.Tensor,
-          bmm_tol: float = 0.08, rope_ulp: float = 1.0, cache_ulp: float = 1.0) -> list[str]:
+def check(
+    aiter: AiterPrologue,
+    ref_q: torch.Tensor,
+    ref_cache: torch.Tensor,
+    bmm_tol: float = 0.08,
+    rope_ulp: float = 1.0,
+    cache_ulp: float = 1.0,
+) -> list[str]:
     """Failures (empty list: pass) of ``aiter``'s outputs against ``ref_q`` ``[B, H, L+R]``
     and the full expected cache ``ref_cache`` (see :func:`errors`). ``bmm_tol`` bounds the
     BMM half's relative Frobenius error: AITER quantizes the activations to FP8, ~3-5% against a
@@ -464,8 +571,19 @@ def check(aiter: AiterPrologue, ref_q: torch.Tensor, ref_cache: torch.Tensor,
 # ------------------------------------------------------------------------------ self-test
 
 
-def make_inputs(H=2, B=3, P=128, R=64, L=512, block_size=16, num_blocks=4, max_pos=64,
-                fp8_cache=False, device="cpu", seed=0):
+def make_inputs(
+    H=2,
+    B=3,
+    P=128,
+    R=64,
+    L=512,
+    block_size=16,
+    num_blocks=4,
+    max_pos=64,
+    fp8_cache=False,
+    device="cpu",
+    seed=0,
+):
     """Random DeepSeek-shaped inputs (the argument order of :class:`AiterPrologue`)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -479,15 +597,23 @@ def make_inputs(H=2, B=3, P=128, R=64, L=512, block_size=16, num_blocks=4, max_p
     ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
     n_slots = num_blocks * block_size
     slots = torch.randperm(n_slots, generator=g)[:B]
-    slots[-1] = -1 if B > 2 else slots[-1]                   # one skipped token
+    slots[-1] = -1 if B > 2 else slots[-1]  # one skipped token
     cache_dtype = torch.float8_e4m3fn if fp8_cache else torch.bfloat16
     kv_cache = torch.randn(num_blocks, block_size, L + R, generator=g).to(cache_dtype)
-    return dict(w_uk_t=w_uk_t, w_scale=w_scale.item(), q_nope=rn(B, H, P), q_pe=rn(B, H, R),
-                kv_c=rn(B, L), k_pe=rn(B, R),
-                positions=torch.randint(0, max_pos, (B,), generator=g).to(device),
-                cos_cache=ang.cos().to(device), sin_cache=ang.sin().to(device),
-                kv_cache=kv_cache.to(device), slot_mapping=slots.to(device),
-                kv_scale=0.05 if fp8_cache else None)
+    return dict(
+        w_uk_t=w_uk_t,
+        w_scale=w_scale.item(),
+        q_nope=rn(B, H, P),
+        q_pe=rn(B, H, R),
+        kv_c=rn(B, L),
+        k_pe=rn(B, R),
+        positions=torch.randint(0, max_pos, (B,), generator=g).to(device),
+        cos_cache=ang.cos().to(device),
+        sin_cache=ang.sin().to(device),
+        kv_cache=kv_cache.to(device),
+        slot_mapping=slots.to(device),
+        kv_scale=0.05 if fp8_cache else None,
+    )
 
 
 def self_test(device: str | None = None, configs: list[dict] | None = None) -> bool:
@@ -506,7 +632,7 @@ def self_test(device: str | None = None, configs: list[dict] | None = None) -> b
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     ok = True
-    for fp8_cache in ((False,) if interp else (False, True)):
+    for fp8_cache in (False,) if interp else (False, True):
         for layout in ("aiter", "ours"):
             for cfg in configs or [None]:
                 x = make_inputs(fp8_cache=fp8_cache, device=device)
@@ -524,12 +650,14 @@ def self_test(device: str | None = None, configs: list[dict] | None = None) -> b
                 e = errors(p, ref_q, ref_cache)
                 ea = errors(p, ref_qa, ref_cache)
                 ok &= not fails
-                print(f"cache={'fp8' if fp8_cache else 'bf16'} layout={layout} cfg={p.config}: "
-                      f"bmm_rel {e['bmm_rel']:.4f} (vs AITER-quantized act "
-                      f"{ea['bmm_rel']:.2e}), rope {e['rope_max_ulp']:.1f} ulp, cache nope "
-                      f"{e['cache_nope_max_ulp']:.1f} rope {e['cache_rope_max_ulp']:.1f}, "
-                      f"untouched diff {e['cache_untouched_diff']} -> "
-                      f"{'OK' if not fails else fails}")
+                print(
+                    f"cache={'fp8' if fp8_cache else 'bf16'} layout={layout} cfg={p.config}: "
+                    f"bmm_rel {e['bmm_rel']:.4f} (vs AITER-quantized act "
+                    f"{ea['bmm_rel']:.2e}), rope {e['rope_max_ulp']:.1f} ulp, cache nope "
+                    f"{e['cache_nope_max_ulp']:.1f} rope {e['cache_rope_max_ulp']:.1f}, "
+                    f"untouched diff {e['cache_untouched_diff']} -> "
+                    f"{'OK' if not fails else fails}"
+                )
     return ok
 
 

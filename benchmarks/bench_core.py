@@ -46,15 +46,23 @@ KV_NAMES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4m3"}
 #: weight formats of the fused rows: "fp8xfp8" = FP8 weights with act_quant="fp8" (FP8 x FP8 dot)
 W_FORMATS = ("bf16", "fp8", "fp8xfp8", "mxfp4")
 W_BYTES = {"bf16": 2, "fp8": 1, "fp8xfp8": 1, "mxfp4": 0.5 + 1 / 32}
-DECODE_IMPLS = ("fused", "engine_4kernel", "unfused_compiled", "reference_eager",
-                "cublas_bmm_only")
-MIXED_IMPLS = ("fused", "fused_two_launches", "engine_4kernel", "unfused_compiled",
-               "reference_eager")
-ENGINE_NOTE = ("cuBLAS bmm + Triton rotary (q_pe, k_pe) + torch.cat + Triton cache write; "
-               "k_pe rotated to bf16 before the FP8 quantization (as vLLM), so FP8 rope codes "
-               "are checked within 1 code")
-COMPILED_NOTE = ("torch.compile(dynamic=False) of the reference's prologue_into, batch dim "
-                 "marked dynamic (B=1 its own compile); prepare() outside the compiled fn")
+DECODE_IMPLS = ("fused", "engine_4kernel", "unfused_compiled", "reference_eager", "cublas_bmm_only")
+MIXED_IMPLS = (
+    "fused",
+    "fused_two_launches",
+    "engine_4kernel",
+    "unfused_compiled",
+    "reference_eager",
+)
+ENGINE_NOTE = (
+    "cuBLAS bmm + Triton rotary (q_pe, k_pe) + torch.cat + Triton cache write; "
+    "k_pe rotated to bf16 before the FP8 quantization (as vLLM), so FP8 rope codes "
+    "are checked within 1 code"
+)
+COMPILED_NOTE = (
+    "torch.compile(dynamic=False) of the reference's prologue_into, batch dim "
+    "marked dynamic (B=1 its own compile); prepare() outside the compiled fn"
+)
 
 # --------------------------------------------------------------------------------- helpers
 
@@ -67,8 +75,9 @@ def poison_(t: torch.Tensor) -> None:
         t.fill_(float("nan"))
 
 
-def min_bytes(B: int, H: int, P: int, R: int, L: int, act_bytes: int, w_bytes: float,
-              kv_bytes: int) -> int:
+def min_bytes(
+    B: int, H: int, P: int, R: int, L: int, act_bytes: int, w_bytes: float, kv_bytes: int
+) -> int:
     """Each input read once, each output written once."""
     weights = H * P * L * w_bytes
     reads = B * H * (P + R) * act_bytes + B * (L + R) * act_bytes + B * 16 + B * R * 4
@@ -103,12 +112,21 @@ def prologue_check(inp, r: Runner) -> Callable:
         replay()
         sync(inp.q_nope.device)
         if r.code_slack is None:
-            return check_against_reference(inp, r.result, before, w_uk_t=r.weight,
-                                           **r.ref_kw).problems
+            return check_against_reference(
+                inp, r.result, before, w_uk_t=r.weight, **r.ref_kw
+            ).problems
         cache_ref = before.clone()
         out_ref = inp.run(mla_prologue_ref, kv_cache=cache_ref, w_uk_t=r.weight)
-        return compare(inp, r.result, out_ref, inp.kv_cache, cache_ref, before,
-                       w_uk_t=r.weight, fp8_code_slack=r.code_slack).problems
+        return compare(
+            inp,
+            r.result,
+            out_ref,
+            inp.kv_cache,
+            cache_ref,
+            before,
+            w_uk_t=r.weight,
+            fp8_code_slack=r.code_slack,
+        ).problems
 
     return check
 
@@ -152,8 +170,15 @@ class Bench:
         self.skipped.append(what)
         print(f"   skipped: {what}", flush=True)
 
-    def measure(self, key: dict, runners: list[Runner], check, nbytes: int | None = None,
-                rep: int = 250, **extra) -> dict | None:
+    def measure(
+        self,
+        key: dict,
+        runners: list[Runner],
+        check,
+        nbytes: int | None = None,
+        rep: int = 250,
+        **extra,
+    ) -> dict | None:
         """Check (on the captured graph), then time; a row only if the check passed."""
         try:
             us = self.time([r.run for r in runners], check=check, rep=rep)
@@ -166,8 +191,11 @@ class Bench:
         row = dict(key, us=round(us, 3))
         if nbytes:
             gbps = nbytes / (us * 1e-6) / 1e9
-            row.update(gbps=round(gbps, 1), pct_copy_bw=round(100 * gbps / self.copy_bw, 1),
-                       min_bytes=int(nbytes))
+            row.update(
+                gbps=round(gbps, 1),
+                pct_copy_bw=round(100 * gbps / self.copy_bw, 1),
+                min_bytes=int(nbytes),
+            )
         row.update(correct=True, **extra)
         self.rows.append(row)
         print(f"   {fmt_key(key)}: {us:9.2f} us", flush=True)
@@ -192,16 +220,26 @@ class Bench:
 
     def inputs(self, B: int, H: int, kv_dtype, seed: int, num_decode_tokens=None) -> list:
         g = torch.Generator().manual_seed(seed)
-        return [make_inputs(B, H=H, **self.dims, num_decode_tokens=num_decode_tokens,
-                            dtype=torch.bfloat16, kv_dtype=kv_dtype, block_size=BLOCK_SIZE,
-                            num_blocks=self.num_blocks, kv_scale="tensor", device=self.device,
-                            generator=g)
-                for _ in range(self.layers)]
+        return [
+            make_inputs(
+                B,
+                H=H,
+                **self.dims,
+                num_decode_tokens=num_decode_tokens,
+                dtype=torch.bfloat16,
+                kv_dtype=kv_dtype,
+                block_size=BLOCK_SIZE,
+                num_blocks=self.num_blocks,
+                kv_scale="tensor",
+                device=self.device,
+                generator=g,
+            )
+            for _ in range(self.layers)
+        ]
 
     def compiled_fn(self, name: str):
         if name not in self.compiled:
-            self.compiled[name] = torch.compile(make_compiled_body(), dynamic=False,
-                                                fullgraph=True)
+            self.compiled[name] = torch.compile(make_compiled_body(), dynamic=False, fullgraph=True)
         return self.compiled[name]
 
 
@@ -216,8 +254,10 @@ def fmt_key(key: dict) -> str:
 def empty_outs(x, H: int) -> tuple:
     R = x.q_pe.shape[-1]
     dev = x.q_nope.device
-    return (torch.empty(0, H, R, dtype=torch.bfloat16, device=dev),
-            torch.empty(0, R, dtype=torch.bfloat16, device=dev))
+    return (
+        torch.empty(0, H, R, dtype=torch.bfloat16, device=dev),
+        torch.empty(0, R, dtype=torch.bfloat16, device=dev),
+    )
 
 
 def quantized(x, fmt: str):
@@ -227,8 +267,9 @@ def quantized(x, fmt: str):
     fmt = "fp8" if fmt == "fp8xfp8" else fmt  # the same weights, FP8 activations
     cache = x.extra.setdefault("qw", {})
     if fmt not in cache:
-        cache[fmt] = (quantize_fp8_weight(x.w_uk_t) if fmt == "fp8"
-                      else quantize_mxfp4_weight(x.w_uk_t))
+        cache[fmt] = (
+            quantize_fp8_weight(x.w_uk_t) if fmt == "fp8" else quantize_mxfp4_weight(x.w_uk_t)
+        )
     return cache[fmt]
 
 
@@ -251,6 +292,7 @@ def fused_runner(x, out, fmt="bf16", cfg=None) -> Runner:
     weight = None if fmt == "bf16" else w
     ref_kw = {"act_quant": "fp8"} if fmt == "fp8xfp8" else {}
     if cfg is None:
+
         def run():
             return mla_decode_prologue(*args, kv_scale=x.kv_scale, out=out, **ref_kw)
     else:
@@ -258,6 +300,7 @@ def fused_runner(x, out, fmt="bf16", cfg=None) -> Runner:
 
         def run():
             launch(prepared, cfg)
+
     return Runner(run, out, [out], weight, ref_kw=ref_kw)
 
 
@@ -271,8 +314,9 @@ def decode_runner(impl: str, x, H: int, b: Bench) -> Runner:
         e = EnginePrologue(x, out)
         return Runner(e.run, out, e.buffers, code_slack=1)
     if impl == "reference_eager":
-        return Runner(lambda: mla_decode_prologue_ref(*x.args(), kv_scale=x.kv_scale, out=out),
-                      out, [out])
+        return Runner(
+            lambda: mla_decode_prologue_ref(*x.args(), kv_scale=x.kv_scale, out=out), out, [out]
+        )
     if impl == "unfused_compiled":
         fn = b.compiled_fn("decode")
         qpo, kpo = empty_outs(x, H)
@@ -294,10 +338,25 @@ def aiter_peers(layers: list, cfg: dict | None, weight_layout: str = "aiter") ->
     peers = []
     for x in layers:
         w = quantized(x, "fp8")
-        peers.append(ap.AiterPrologue(
-            w.data, w.scale, x.q_nope, x.q_pe, x.kv_c, x.k_pe, x.positions, x.cos_cache,
-            x.sin_cache, x.kv_cache, x.slot_mapping, kv_scale=x.kv_scale, is_neox=False,
-            config=cfg, weight_layout=weight_layout))
+        peers.append(
+            ap.AiterPrologue(
+                w.data,
+                w.scale,
+                x.q_nope,
+                x.q_pe,
+                x.kv_c,
+                x.k_pe,
+                x.positions,
+                x.cos_cache,
+                x.sin_cache,
+                x.kv_cache,
+                x.slot_mapping,
+                kv_scale=x.kv_scale,
+                is_neox=False,
+                config=cfg,
+                weight_layout=weight_layout,
+            )
+        )
         peers[-1]()
     return peers
 
@@ -333,10 +392,12 @@ def bmm_check(x, r: Runner) -> Callable:
         if not err < 8e-3:
             probs.append(f"bmm output: relative L2 error vs float64 {err:.3g} >= 8e-3")
         return probs
+
     return check
 
 
 # --------------------------------------------------------------------------------- device
+
 
 def copy_bandwidth_gbps(device: str) -> float:
     """Device-to-device copy, bytes read + written per second (GB/s), median of many."""
@@ -351,13 +412,10 @@ def copy_bandwidth_gbps(device: str) -> float:
     n = 1 << 30
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300,
-                                 return_mode="median")
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     return 2 * n / (ms * 1e-3) / 1e9
 
 
 def empty_cache(b: Bench) -> None:
     if not b.smoke:
         torch.cuda.empty_cache()
-
-

@@ -53,29 +53,43 @@ def main() -> int:
         print("bench_mla_layer: needs a GPU")
         return 2
     commit = commit_id()
-    header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, python=platform.python_version(), commit=commit,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  layers_per_graph=LAYERS, attention="plain PyTorch paged latent attention "
-                  "(fusemla.reference.attention), the same in both rows",
-                  method="CUDA graph of 8 layers (distinct weights/caches), do_bench median / 8")
+    header = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        layers_per_graph=LAYERS,
+        attention="plain PyTorch paged latent attention "
+        "(fusemla.reference.attention), the same in both rows",
+        method="CUDA graph of 8 layers (distinct weights/caches), do_bench median / 8",
+    )
     print(f"# {header['gpu']}  torch {header['torch']}  triton {header['triton']}")
     rows, failures = [], []
     fused_cfg, unfused_cfg = MLAConfig(True, True), MLAConfig(False, False)
     for H in a.heads:
         cfg = deepseek_v3_config(H)
         g = torch.Generator().manual_seed(H)
-        layers = [MLAAttention.from_state_dict(random_weights(cfg, g, torch.bfloat16, "cuda"),
-                                               cfg, max_position=8192) for _ in range(LAYERS)]
+        layers = [
+            MLAAttention.from_state_dict(
+                random_weights(cfg, g, torch.bfloat16, "cuda"), cfg, max_position=8192
+            )
+            for _ in range(LAYERS)
+        ]
         for B, ctx in itertools.product(a.batches, a.contexts):
             blocks = B * (ctx // BLOCK_SIZE + 2) + 4
             alloc = BlockAllocator(blocks, BLOCK_SIZE, seed=B + ctx)
-            md, _ = build_metadata([RequestStep(i, ctx - 1, 1) for i in range(B)], alloc,
-                                   device="cuda")
+            md, _ = build_metadata(
+                [RequestStep(i, ctx - 1, 1) for i in range(B)], alloc, device="cuda"
+            )
             steps = []
             for layer in layers:
-                cache = (torch.randn(blocks, BLOCK_SIZE, 576, generator=g) * 0.5).to(
-                    torch.bfloat16).cuda()
+                cache = (
+                    (torch.randn(blocks, BLOCK_SIZE, 576, generator=g) * 0.5)
+                    .to(torch.bfloat16)
+                    .cuda()
+                )
                 x = (torch.randn(B, cfg["hidden_size"], generator=g)).to(torch.bfloat16).cuda()
                 with torch.no_grad():
                     q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x))).view(B, H, 192)
@@ -95,6 +109,7 @@ def main() -> int:
                 print(f"!! H={H} B={B} ctx={ctx}: fused vs unfused rel {rel:.3g}")
             for impl, c in (("fused", fused_cfg), ("unfused", unfused_cfg)):
                 for op in ("mla_decode_step", "mla_decode_latent"):
+
                     def make(s, c=c, op=op):
                         layer, x, q, kv_c, k_pe, cache = s
 
@@ -104,16 +119,30 @@ def main() -> int:
                                 layer(x, md.positions, md, cache)
                             else:
                                 layer.forward_latent(q, kv_c, k_pe, md.positions, md, cache)
+
                         return run
+
                     try:
                         with torch.no_grad():
                             us = time_graph([make(s) for s in steps], rep=100, warmup=10)
                     except Exception as e:  # report, keep the other rows
                         print(f"!! {op} {impl} H={H} B={B} ctx={ctx}: {type(e).__name__}: {e}")
                         continue
-                    rows.append(dict(op=op, impl=impl, attention="pytorch", w_dtype="bf16",
-                                     kv_dtype="bf16", H=H, B=B, context=ctx, us=round(us, 2),
-                                     correct=ok, rel_fused_vs_unfused=round(rel, 5)))
+                    rows.append(
+                        dict(
+                            op=op,
+                            impl=impl,
+                            attention="pytorch",
+                            w_dtype="bf16",
+                            kv_dtype="bf16",
+                            H=H,
+                            B=B,
+                            context=ctx,
+                            us=round(us, 2),
+                            correct=ok,
+                            rel_fused_vs_unfused=round(rel, 5),
+                        )
+                    )
                     print(f"   {op:<18} H={H:<3} B={B:<4} ctx={ctx:<5} {impl:<8} {us:9.2f} us")
             del steps
             torch.cuda.empty_cache()
@@ -124,11 +153,16 @@ def main() -> int:
     for r in rows:
         if r["impl"] != "fused":
             continue
-        u = [x for x in rows if x["impl"] == "unfused" and all(
-            x[k] == r[k] for k in ("op", "H", "B", "context"))]
+        u = [
+            x
+            for x in rows
+            if x["impl"] == "unfused" and all(x[k] == r[k] for k in ("op", "H", "B", "context"))
+        ]
         if u:
-            print(f"{r['op']:<18} {r['H']:>4} {r['B']:>4} {r['context']:>5} | {r['us']:9.2f} "
-                  f"{u[0]['us']:9.2f} {u[0]['us'] - r['us']:8.2f}")
+            print(
+                f"{r['op']:<18} {r['H']:>4} {r['B']:>4} {r['context']:>5} | {r['us']:9.2f} "
+                f"{u[0]['us']:9.2f} {u[0]['us'] - r['us']:8.2f}"
+            )
     result = dict(header=header, rows=rows)
     if failures:
         result["failures"] = failures
@@ -136,8 +170,12 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {a.out}")
-    print("correctness:", "fused and unfused agree at every shape" if not failures
-          else f"{len(failures)} shapes FAILED")
+    print(
+        "correctness:",
+        "fused and unfused agree at every shape"
+        if not failures
+        else f"{len(failures)} shapes FAILED",
+    )
     return 1 if failures else 0
 
 

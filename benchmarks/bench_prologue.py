@@ -156,8 +156,13 @@ def decode_rows(b: Bench, a) -> None:
                 continue
             if impl == "cublas_bmm_only":
                 nb = H * P * L * 2 + B * H * (P + L) * 2
-                b.measure(key, runners, bmm_check(layers[0], runners[0]), nb,
-                          note="torch.bmm alone; min_bytes = weights + q_nope + ql")
+                b.measure(
+                    key,
+                    runners,
+                    bmm_check(layers[0], runners[0]),
+                    nb,
+                    note="torch.bmm alone; min_bytes = weights + q_nope + ql",
+                )
                 continue
             extra = {}
             if impl == "engine_4kernel":
@@ -166,22 +171,34 @@ def decode_rows(b: Bench, a) -> None:
                 extra["note"] = COMPILED_NOTE
             elif impl == "reference_eager":
                 extra["note"] = "the project's correctness reference (~48 ATen ops), eager"
-            b.measure(key, runners, prologue_check(layers[0], runners[0]),
-                      min_bytes(B, H, P, R, L, 2, 2, kv_bytes), **extra)
+            b.measure(
+                key,
+                runners,
+                prologue_check(layers[0], runners[0]),
+                min_bytes(B, H, P, R, L, 2, 2, kv_bytes),
+                **extra,
+            )
         if "fused" in a.impls and (kv_name == "bf16" or a.formats_all_kv):
             for fmt in a.formats:
                 if fmt == "bf16":
                     continue
                 key = dict(base, impl="fused", w_dtype=fmt)
                 try:
-                    runners = [fused_runner(x, torch.empty(B, H, L + R, dtype=torch.bfloat16,
-                                                           device=b.device), fmt)
-                               for x in layers]
+                    runners = [
+                        fused_runner(
+                            x, torch.empty(B, H, L + R, dtype=torch.bfloat16, device=b.device), fmt
+                        )
+                        for x in layers
+                    ]
                 except Exception as e:  # noqa: BLE001
                     b.fail(key, [f"setup raised {type(e).__name__}: {e}"])
                     continue
-                b.measure(key, runners, prologue_check(layers[0], runners[0]),
-                          min_bytes(B, H, P, R, L, 2, W_BYTES[fmt], kv_bytes))
+                b.measure(
+                    key,
+                    runners,
+                    prologue_check(layers[0], runners[0]),
+                    min_bytes(B, H, P, R, L, 2, W_BYTES[fmt], kv_bytes),
+                )
         del layers
         empty_cache(b)
         print(f"   ({time.perf_counter() - t0:.1f} s for kv={kv_name} H={H} B={B})", flush=True)
@@ -195,16 +212,20 @@ def mixed_rows(b: Bench, a) -> None:
     for kv_name, H in itertools.product(a.kv, a.heads):
         kv_dtype = KV_DTYPES[kv_name]
         kv_bytes = 1 if kv_name == "fp8" else 2
-        layers = b.inputs(N, H, kv_dtype, seed=7000 + H + (7 if kv_name == "fp8" else 0),
-                          num_decode_tokens=D)
+        layers = b.inputs(
+            N, H, kv_dtype, seed=7000 + H + (7 if kv_name == "fp8" else 0), num_decode_tokens=D
+        )
         nbytes = min_bytes(D, H, P, R, L, 2, 2, kv_bytes) + PF * (
-            2 * H * R * 2 + (L + R) * 2 + R * 2 + (L + R) * kv_bytes + 16)
+            2 * H * R * 2 + (L + R) * 2 + R * 2 + (L + R) * kv_bytes + 16
+        )
 
         def outs_of(x):
             dev = x.q_nope.device
-            return dict(out=torch.empty(D, H, L + R, dtype=torch.bfloat16, device=dev),
-                        q_pe_out=torch.empty(PF, H, R, dtype=torch.bfloat16, device=dev),
-                        k_pe_out=torch.empty(PF, R, dtype=torch.bfloat16, device=dev))
+            return dict(
+                out=torch.empty(D, H, L + R, dtype=torch.bfloat16, device=dev),
+                q_pe_out=torch.empty(PF, H, R, dtype=torch.bfloat16, device=dev),
+                k_pe_out=torch.empty(PF, R, dtype=torch.bfloat16, device=dev),
+            )
 
         def runner(impl, x):
             o = outs_of(x)
@@ -221,24 +242,45 @@ def mixed_rows(b: Bench, a) -> None:
 
                 def run():
                     mla_prologue(*dec, kv_scale=x.kv_scale, out=o["out"])
-                    mla_prologue(*pre, num_decode_tokens=0, kv_scale=x.kv_scale,
-                                 q_pe_out=o["q_pe_out"], k_pe_out=o["k_pe_out"])
+                    mla_prologue(
+                        *pre,
+                        num_decode_tokens=0,
+                        kv_scale=x.kv_scale,
+                        q_pe_out=o["q_pe_out"],
+                        k_pe_out=o["k_pe_out"],
+                    )
+
                 return Runner(run, res, list(res))
             if impl == "engine_4kernel":
                 e = EnginePrologue(x, o["out"], D)
-                return Runner(e.run, (e.out, e.q_rot[D:], e.k_rot[D:]),
-                              e.buffers, code_slack=1)
+                return Runner(e.run, (e.out, e.q_rot[D:], e.k_rot[D:]), e.buffers, code_slack=1)
             if impl == "unfused_compiled":
                 fn = b.compiled_fn("mixed")
-                return Runner(lambda: fn(*x.args(), x.kv_scale, o["out"], o["q_pe_out"],
-                                         o["k_pe_out"], num_decode_tokens=D), res, list(res))
+                return Runner(
+                    lambda: fn(
+                        *x.args(),
+                        x.kv_scale,
+                        o["out"],
+                        o["q_pe_out"],
+                        o["k_pe_out"],
+                        num_decode_tokens=D,
+                    ),
+                    res,
+                    list(res),
+                )
             raise ValueError(impl)
 
         for impl in MIXED_IMPLS:
             if impl not in a.mixed_impls or (impl == "unfused_compiled" and a.no_compile):
                 continue
-            key = dict(op="mixed_prologue", impl=impl, w_dtype="bf16",
-                       kv_dtype=KV_NAMES[kv_dtype], H=H, B=N)
+            key = dict(
+                op="mixed_prologue",
+                impl=impl,
+                w_dtype="bf16",
+                kv_dtype=KV_NAMES[kv_dtype],
+                H=H,
+                B=N,
+            )
             try:
                 runners = [runner(impl, x) for x in layers]
             except Exception as e:  # noqa: BLE001
@@ -272,8 +314,9 @@ def aiter_rows(b: Bench, a) -> None:
     full = ap.config_space()
     # above SMALL_BATCH only the 4-warp, <= 2-stage, 64/128-column tiles (the region that won
     # there in a first sweep on this H200), to keep the run short
-    large = [c for c in full if c["num_warps"] == 4 and c["num_stages"] <= 2
-             and c["BLOCK_SIZE_N"] >= 64]
+    large = [
+        c for c in full if c["num_warps"] == 4 and c["num_stages"] <= 2 and c["BLOCK_SIZE_N"] >= 64
+    ]
     for H, B in itertools.product(a.heads, a.batches):
         layers = b.inputs(B, H, torch.bfloat16, seed=1000 * H + B)
         base = dict(op="decode_prologue", kv_dtype="bf16", H=H, B=B, w_dtype="fp8xfp8")
@@ -286,8 +329,9 @@ def aiter_rows(b: Bench, a) -> None:
             key = dict(base, impl="aiter_fp8", config=cfg or "default")
             try:
                 peers = aiter_peers(layers, cfg)
-                us = b.time(peers, check=aiter_check(peers[0], layers[0]),
-                            rep=250 if cfg is None else 40)
+                us = b.time(
+                    peers, check=aiter_check(peers[0], layers[0]), rep=250 if cfg is None else 40
+                )
             except CheckFailed as e:
                 b.fail(key, e.problems)
                 continue
@@ -299,16 +343,25 @@ def aiter_rows(b: Bench, a) -> None:
             nbytes = min_bytes(B, H, P, R, L, 2, 1, 2)
             default = [r for r in results if r[1] is None]
             best = min(results, key=lambda r: r[0])
-            for name, (us, cfg) in (("aiter_fp8_default", default[0] if default else None),
-                                    ("aiter_fp8_best", best)):
+            for name, (us, cfg) in (
+                ("aiter_fp8_default", default[0] if default else None),
+                ("aiter_fp8_best", best),
+            ):
                 if us is None:
                     continue
                 gbps = nbytes / (us * 1e-6) / 1e9
-                row = dict(base, impl=name, us=round(us, 3), gbps=round(gbps, 1),
-                           pct_copy_bw=round(100 * gbps / b.copy_bw, 1), min_bytes=int(nbytes),
-                           correct=True, config=cfg or "AITER default (gfx950 table)",
-                           configs_timed=len(results),
-                           note=f"AITER {ap.AITER_COMMIT[:12]}; FP8 W (per-tensor) x FP8 act")
+                row = dict(
+                    base,
+                    impl=name,
+                    us=round(us, 3),
+                    gbps=round(gbps, 1),
+                    pct_copy_bw=round(100 * gbps / b.copy_bw, 1),
+                    min_bytes=int(nbytes),
+                    correct=True,
+                    config=cfg or "AITER default (gfx950 table)",
+                    configs_timed=len(results),
+                    note=f"AITER {ap.AITER_COMMIT[:12]}; FP8 W (per-tensor) x FP8 act",
+                )
                 b.rows.append(row)
                 print(f"   {fmt_key(row)}: {us:9.2f} us  {cfg}", flush=True)
         del layers
@@ -324,9 +377,16 @@ def sweep_rows(b: Bench, a) -> None:
             break
         layers = b.inputs(B, H, torch.bfloat16, seed=5000 + H + B)
         bucket = configs.batch_bucket(B)  # the config the launcher itself would pick
-        base_cfg = configs.launch_config(H, P, R, L, b.backend, bucket == "small",
-                                         large=bucket == "large",
-                                         w_format="plain" if fmt == "bf16" else fmt)
+        base_cfg = configs.launch_config(
+            H,
+            P,
+            R,
+            L,
+            b.backend,
+            bucket == "small",
+            large=bucket == "large",
+            w_format="plain" if fmt == "bf16" else fmt,
+        )
         # (fp8xfp8 tiles fall back to fp8's until the table has their own: configs.py)
         space = sweep_space(H, B, fmt)
         if b.smoke:
@@ -340,11 +400,13 @@ def sweep_rows(b: Bench, a) -> None:
             cfg = {**base_cfg, **override}
             key = dict(op="sweep", impl="fused", w_dtype=fmt, kv_dtype="bf16", H=H, B=B)
             try:
-                outs = [torch.empty(B, H, L + R, dtype=torch.bfloat16, device=b.device)
-                        for _ in layers]
+                outs = [
+                    torch.empty(B, H, L + R, dtype=torch.bfloat16, device=b.device) for _ in layers
+                ]
                 runners = [fused_runner(x, o, fmt, cfg) for x, o in zip(layers, outs)]
-                us = b.time([r.run for r in runners], rep=40,
-                            check=prologue_check(layers[0], runners[0]))
+                us = b.time(
+                    [r.run for r in runners], rep=40, check=prologue_check(layers[0], runners[0])
+                )
             except CheckFailed as e:
                 b.fail(dict(key, config=cfg), e.problems)
                 continue
@@ -357,8 +419,16 @@ def sweep_rows(b: Bench, a) -> None:
                     aborted = True
                     break
                 continue
-            rec = dict(H=H, B=B, w_dtype=fmt, kv_dtype="bf16", config=cfg, us=round(us, 3),
-                       correct=True, shipped=not override)
+            rec = dict(
+                H=H,
+                B=B,
+                w_dtype=fmt,
+                kv_dtype="bf16",
+                config=cfg,
+                us=round(us, 3),
+                correct=True,
+                shipped=not override,
+            )
             b.sweep.append(rec)
             if best is None or us < best["us"]:
                 best = rec
@@ -385,8 +455,9 @@ def estimate(a, modes: set) -> str:
             n_rows += len(a.heads) * len(a.batches)
         if "unfused_compiled" in a.impls and not a.no_compile:
             n_rows += len(a.kv) * len(a.heads) * len(a.batches)
-            n_compiles += len(a.kv) * len(a.heads) * (
-                (1 in a.batches) + any(x > 1 for x in a.batches))
+            n_compiles += (
+                len(a.kv) * len(a.heads) * ((1 in a.batches) + any(x > 1 for x in a.batches))
+            )
         if "fused" in a.impls:
             kvs = len(a.kv) if a.formats_all_kv else ("bf16" in a.kv)
             n_rows += kvs * len(a.heads) * len(a.batches) * sum(f != "bf16" for f in a.formats)
@@ -407,47 +478,80 @@ def estimate(a, modes: set) -> str:
             k = len(smoke_subset(space, SMOKE_DIMS)) if a.smoke else len(space)
             n_sweep += min(k, a.sweep_max) if a.sweep_max else k
     secs = n_rows * COST_ROW + n_compiles * COST_COMPILE + n_sweep * COST_SWEEP_CONFIG
-    when = ("smoke: CPU, tiny dims" if a.smoke else
-            f"rough GPU estimate {secs / 60:.1f} min + Triton JIT compiles")
-    return (f"plan: modes {sorted(modes)}; {n_rows} checked+timed rows, {n_compiles} "
-            f"torch.compile compiles, {n_sweep} sweep configs (each checked, then timed); "
-            f"{when}")
+    when = (
+        "smoke: CPU, tiny dims"
+        if a.smoke
+        else f"rough GPU estimate {secs / 60:.1f} min + Triton JIT compiles"
+    )
+    return (
+        f"plan: modes {sorted(modes)}; {n_rows} checked+timed rows, {n_compiles} "
+        f"torch.compile compiles, {n_sweep} sweep configs (each checked, then timed); "
+        f"{when}"
+    )
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--all", action="store_true",
-                    help="rows + chain + floors + mixed (the default when no mode is given)")
+    ap.add_argument(
+        "--all",
+        action="store_true",
+        help="rows + chain + floors + mixed (the default when no mode is given)",
+    )
     ap.add_argument("--rows", action="store_true", help="decode rows (op decode_prologue)")
     ap.add_argument("--chain", action="store_true", help="PDL chains (op pdl_chain)")
     ap.add_argument("--floors", action="store_true", help="launch and weight-read floors")
-    ap.add_argument("--mixed", action="store_true",
-                    help="32 decode + 512 prefill tokens (op mixed_prologue)")
+    ap.add_argument(
+        "--mixed", action="store_true", help="32 decode + 512 prefill tokens (op mixed_prologue)"
+    )
     ap.add_argument("--sweep", action="store_true", help="sweep fused tile configs")
-    ap.add_argument("--aiter", action="store_true",
-                    help="AMD AITER's fused FP8 kernel, default and best config (needs .peers/)")
-    ap.add_argument("--aiter-quick", action="store_true",
-                    help="with --aiter: its default and 3 configs (the winners of a full sweep)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU: every mode at tiny dims under TRITON_INTERPRET=1, eager timing")
+    ap.add_argument(
+        "--aiter",
+        action="store_true",
+        help="AMD AITER's fused FP8 kernel, default and best config (needs .peers/)",
+    )
+    ap.add_argument(
+        "--aiter-quick",
+        action="store_true",
+        help="with --aiter: its default and 3 configs (the winners of a full sweep)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU: every mode at tiny dims under TRITON_INTERPRET=1, eager timing",
+    )
     ap.add_argument("--heads", type=int, nargs="+", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=list(KV_DTYPES))
     ap.add_argument("--impls", nargs="+", default=list(DECODE_IMPLS), choices=DECODE_IMPLS)
     ap.add_argument("--mixed-impls", nargs="+", default=list(MIXED_IMPLS), choices=MIXED_IMPLS)
-    ap.add_argument("--formats", nargs="+", default=list(W_FORMATS), choices=W_FORMATS,
-                    help="weight formats of the fused rows")
-    ap.add_argument("--formats-all-kv", action="store_true",
-                    help="quantized-weight rows with every --kv (default: bf16 cache only)")
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=list(W_FORMATS),
+        choices=W_FORMATS,
+        help="weight formats of the fused rows",
+    )
+    ap.add_argument(
+        "--formats-all-kv",
+        action="store_true",
+        help="quantized-weight rows with every --kv (default: bf16 cache only)",
+    )
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--chain-batches", type=int, nargs="+", default=None)
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=None)
     ap.add_argument("--sweep-formats", nargs="+", default=list(W_FORMATS), choices=W_FORMATS)
-    ap.add_argument("--sweep-max", type=int, default=0,
-                    help="at most this many configs per shape (evenly spread; 0 = all)")
+    ap.add_argument(
+        "--sweep-max",
+        type=int,
+        default=0,
+        help="at most this many configs per shape (evenly spread; 0 = all)",
+    )
     ap.add_argument("--out", default=None, help="JSON path (written after every section)")
-    ap.add_argument("--plan", action="store_true",
-                    help="print what the run would do (rows, compiles, sweep configs) and exit")
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what the run would do (rows, compiles, sweep configs) and exit",
+    )
     a = ap.parse_args(argv)
     modes = {m for m in ("rows", "chain", "floors", "mixed", "sweep", "aiter") if getattr(a, m)}
     if a.smoke:  # not aiter: its kernel meets the interpreter's bf16 bugs (aiter_peer.py)
@@ -468,8 +572,7 @@ def main(argv=None) -> int:
     if a.plan:
         return 0
     if a.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        print("--smoke runs the Triton interpreter: re-running with TRITON_INTERPRET=1",
-              flush=True)
+        print("--smoke runs the Triton interpreter: re-running with TRITON_INTERPRET=1", flush=True)
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])
     if not a.smoke and not torch.cuda.is_available():
@@ -481,32 +584,54 @@ def main(argv=None) -> int:
         torch._dynamo.config.recompile_limit = 256
     device = "cpu" if a.smoke else "cuda"
     dims = dict(SMOKE_DIMS) if a.smoke else {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
-    max_tokens = max([*a.batches, *a.chain_batches, *a.sweep_batches,
-                      12 if a.smoke else 544])
-    b = Bench(smoke=a.smoke, device=device, dims=dims,
-              layers=SMOKE_LAYERS if a.smoke else LAYERS,
-              num_blocks=max(2, (2 * max_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE + 1),
-              out_path=a.out)
+    max_tokens = max([*a.batches, *a.chain_batches, *a.sweep_batches, 12 if a.smoke else 544])
+    b = Bench(
+        smoke=a.smoke,
+        device=device,
+        dims=dims,
+        layers=SMOKE_LAYERS if a.smoke else LAYERS,
+        num_blocks=max(2, (2 * max_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE + 1),
+        out_path=a.out,
+    )
     b.copy_bw = copy_bandwidth_gbps(device)
     b.header = dict(
         gpu=torch.cuda.get_device_name() if not a.smoke else "cpu (smoke: Triton interpreter)",
-        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
         commit=commit_id(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        copy_bw_gbps=round(b.copy_bw, 1), layers_per_graph=b.layers, dims=dims,
-        block_size=BLOCK_SIZE, smoke=a.smoke, modes=sorted(modes),
+        copy_bw_gbps=round(b.copy_bw, 1),
+        layers_per_graph=b.layers,
+        dims=dims,
+        block_size=BLOCK_SIZE,
+        smoke=a.smoke,
+        modes=sorted(modes),
         pdl="FUSEMLA_PDL=off everywhere except the pdl_chain rows named *_pdl_on",
-        method=("one eager pass timed with time.perf_counter (smoke: not a speed)" if a.smoke
-                else f"CUDA graph of {b.layers} layers (distinct weights/activations/outputs/"
-                "caches), do_bench median of replays / layers; every row checked against the "
-                "reference on the captured graph (NaN-poisoned outputs and cache) before "
-                "timing"))
-    print(f"# {b.header['gpu']}  torch {b.header['torch']}  triton {b.header['triton']}  "
-          f"commit {b.header['commit'][:12]}  copy bandwidth {b.copy_bw:.0f} GB/s", flush=True)
+        method=(
+            "one eager pass timed with time.perf_counter (smoke: not a speed)"
+            if a.smoke
+            else f"CUDA graph of {b.layers} layers (distinct weights/activations/outputs/"
+            "caches), do_bench median of replays / layers; every row checked against the "
+            "reference on the captured graph (NaN-poisoned outputs and cache) before "
+            "timing"
+        ),
+    )
+    print(
+        f"# {b.header['gpu']}  torch {b.header['torch']}  triton {b.header['triton']}  "
+        f"commit {b.header['commit'][:12]}  copy bandwidth {b.copy_bw:.0f} GB/s",
+        flush=True,
+    )
     t_start = time.perf_counter()
     self_test(b)
-    sections = (("floors", floor_rows), ("rows", decode_rows), ("aiter", aiter_rows),
-                ("mixed", mixed_rows), ("chain", chain_rows), ("sweep", sweep_rows))
+    sections = (
+        ("floors", floor_rows),
+        ("rows", decode_rows),
+        ("aiter", aiter_rows),
+        ("mixed", mixed_rows),
+        ("chain", chain_rows),
+        ("sweep", sweep_rows),
+    )
     for name, fn in sections:
         if name not in modes:
             continue
@@ -521,7 +646,8 @@ def main(argv=None) -> int:
     print_tables(b.rows)
     b.header["wall_s"] = round(time.perf_counter() - t_start, 1)
     b.header["torch_compile_graphs"] = int(
-        torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
+        torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+    )
     b.save()
     if a.out:
         print(f"wrote {a.out}")
@@ -529,12 +655,16 @@ def main(argv=None) -> int:
     if b.failures or bad_rows:
         for f in b.failures:
             print(f"  FAILED {fmt_key(f)}: {'; '.join(f['problems'])[:300]}")
-        print(f"correctness: {len(b.failures)} FAILED checks/errors"
-              + (f", {len(bad_rows)} rows not correct" if bad_rows else "")
-              + " (see 'failures'); exit status 1")
+        print(
+            f"correctness: {len(b.failures)} FAILED checks/errors"
+            + (f", {len(bad_rows)} rows not correct" if bad_rows else "")
+            + " (see 'failures'); exit status 1"
+        )
         return 1
-    print(f"correctness: all {len(b.rows)} rows and {len(b.sweep)} sweep configs checked and "
-          "agree with the reference")
+    print(
+        f"correctness: all {len(b.rows)} rows and {len(b.sweep)} sweep configs checked and "
+        "agree with the reference"
+    )
     return 0
 
 
@@ -547,8 +677,12 @@ def print_tables(rows: list) -> None:
         for kv, H, B in sorted({(r["kv_dtype"], r["H"], r["B"]) for r in dec}):
             cells = []
             for i in impls:
-                m = [r for r in dec if (r["impl"], r["kv_dtype"], r["H"], r["B"], r["w_dtype"])
-                     == (i, kv, H, B, "bf16")]
+                m = [
+                    r
+                    for r in dec
+                    if (r["impl"], r["kv_dtype"], r["H"], r["B"], r["w_dtype"])
+                    == (i, kv, H, B, "bf16")
+                ]
                 cells.append(f"{m[0]['us']:9.2f} {m[0]['gbps']:7.0f}" if m else f"{'-':>18}")
             print(f"{kv:>8} {H:>4} {B:>4} | " + " | ".join(cells))
         fused = [r for r in dec if r["impl"] == "fused"]
@@ -557,21 +691,27 @@ def print_tables(rows: list) -> None:
             print("\nFused by weight format, us per layer (x the bf16-weight time):")
             print(f"{'kv':>8} {'H':>4} {'B':>4} | " + " | ".join(f"{w:>15}" for w in W_FORMATS))
             for kv, H, B in shapes:
-                by = {r["w_dtype"]: r["us"] for r in fused
-                      if (r["kv_dtype"], r["H"], r["B"]) == (kv, H, B)}
+                by = {
+                    r["w_dtype"]: r["us"]
+                    for r in fused
+                    if (r["kv_dtype"], r["H"], r["B"]) == (kv, H, B)
+                }
                 ref = by.get("bf16")
-                cells = [f"{by[w]:7.2f} ({by[w] / ref:4.2f}x)" if w in by and ref else
-                         f"{'-':>15}" for w in W_FORMATS]
+                cells = [
+                    f"{by[w]:7.2f} ({by[w] / ref:4.2f}x)" if w in by and ref else f"{'-':>15}"
+                    for w in W_FORMATS
+                ]
                 print(f"{kv:>8} {H:>4} {B:>4} | " + " | ".join(cells))
     for op in ("mixed_prologue", "pdl_chain", "floor"):
         sel = [r for r in rows if r["op"] == op]
         if sel:
             print(f"\n{op}:")
             for r in sel:
-                print(f"  {r['impl']:>38} kv={r.get('kv_dtype')} H={r.get('H')} B={r.get('B')}:"
-                      f" {r['us']:9.2f} us")
+                print(
+                    f"  {r['impl']:>38} kv={r.get('kv_dtype')} H={r.get('H')} B={r.get('B')}:"
+                    f" {r['us']:9.2f} us"
+                )
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -42,8 +42,11 @@ def chain_layers(b: Bench, B: int, H: int, seed: int) -> list:
         dev = x.q_nope.device
         e = x.extra
         e["x"] = torch.randn(B, Q_LORA_RANK, generator=g).to(torch.bfloat16).to(dev)
-        e["w_qb"] = (torch.randn(Q_LORA_RANK, H * (P + R), generator=g)
-                     * Q_LORA_RANK ** -0.5).to(torch.bfloat16).to(dev)
+        e["w_qb"] = (
+            (torch.randn(Q_LORA_RANK, H * (P + R), generator=g) * Q_LORA_RANK**-0.5)
+            .to(torch.bfloat16)
+            .to(dev)
+        )
         e["qbuf"] = torch.empty(B, H * (P + R), dtype=torch.bfloat16, device=dev)
         e["q_base"], e["kv_base"] = x.q_nope._base, x.kv_c._base
         e["q_src"], e["kv_src"] = e["q_base"].clone(), e["kv_base"].clone()
@@ -72,11 +75,13 @@ def chain_call(x, chain: str, pdl: bool, with_prologue: bool, P: int, H: int):
         if with_prologue:
             mla_prologue(*args, kv_scale=x.kv_scale, out=e["out"])
         produce(e["out"].view(-1), e["dst"], 1.0, pdl=pdl)
+
     return run, q_nope, q_pe
 
 
-def chain_check(layers, chain: str, with_prologue: bool, P: int, H: int,
-                rounds: int = 1) -> Callable:
+def chain_check(
+    layers, chain: str, with_prologue: bool, P: int, H: int, rounds: int = 1
+) -> Callable:
     """Poison every layer's intermediates (the producers' outputs), the prologue's output and
     cache and the next kernel's output; replay; compare every layer; ``rounds`` times (a race
     need not show on the first replay)."""
@@ -105,8 +110,9 @@ def chain_check(layers, chain: str, with_prologue: bool, P: int, H: int,
             e = x.extra
             if chain == "qb_gemm_chain":
                 want = torch.mm(e["x"], e["w_qb"])
-                if not (torch.equal(e["qbuf"], want)
-                        or rel_err(e["qbuf"].float(), want.float()) < 1e-2):
+                if not (
+                    torch.equal(e["qbuf"], want) or rel_err(e["qbuf"].float(), want.float()) < 1e-2
+                ):
                     probs.append(f"layer {i}: q_b_proj output wrong")
             else:
                 for src, dst in (("q_src", "q_base"), ("kv_src", "kv_base")):
@@ -120,8 +126,10 @@ def chain_check(layers, chain: str, with_prologue: bool, P: int, H: int,
                 res = check_against_reference(view, e["out"], before)
                 probs += [f"layer {i}: {p}" for p in res.problems]
             if not torch.equal(e["dst"].view(torch.int16), e["out"].view(-1).view(torch.int16)):
-                probs.append(f"layer {i}: the next kernel's output differs from the prologue's "
-                             "q (stale read?)")
+                probs.append(
+                    f"layer {i}: the next kernel's output differs from the prologue's "
+                    "q (stale read?)"
+                )
         return probs
 
     return check
@@ -132,9 +140,11 @@ def chain_rows(b: Bench, a) -> None:
     for H, B in itertools.product(a.heads, a.chain_batches):
         layers = chain_layers(b, B, H, seed=9000 + H + B)
         for chain in ("qb_gemm_chain", "triton_producer_chain"):
-            for variant, pdl, with_prologue in (("producers_only", False, False),
-                                                ("pdl_off", False, True),
-                                                ("pdl_on", True, True)):
+            for variant, pdl, with_prologue in (
+                ("producers_only", False, False),
+                ("pdl_off", False, True),
+                ("pdl_on", True, True),
+            ):
                 impl = f"{chain}_{variant}"
                 key = dict(op="pdl_chain", impl=impl, w_dtype="bf16", kv_dtype="bf16", H=H, B=B)
                 if pdl and b.smoke:
@@ -144,13 +154,18 @@ def chain_rows(b: Bench, a) -> None:
                 try:
                     calls = [chain_call(x, chain, pdl, with_prologue, P, H)[0] for x in layers]
                     runners = [Runner(c, None) for c in calls]
-                    check = chain_check(layers, chain, with_prologue, P, H,
-                                        rounds=3 if pdl else 1)
-                    b.measure(key, runners, check,
-                              pdl=pdl, prologue=with_prologue,
-                              producer="cuBLAS q_b_proj GEMM" if chain == "qb_gemm_chain"
-                              else "two Triton producers (pdl_probe.produce)",
-                              consumer="pdl_probe.produce reading q")
+                    check = chain_check(layers, chain, with_prologue, P, H, rounds=3 if pdl else 1)
+                    b.measure(
+                        key,
+                        runners,
+                        check,
+                        pdl=pdl,
+                        prologue=with_prologue,
+                        producer="cuBLAS q_b_proj GEMM"
+                        if chain == "qb_gemm_chain"
+                        else "two Triton producers (pdl_probe.produce)",
+                        consumer="pdl_probe.produce reading q",
+                    )
                 finally:
                     os.environ["FUSEMLA_PDL"] = "off"
         del layers
@@ -169,11 +184,15 @@ def floor_rows(b: Bench, a) -> None:
         sync(dev)
         return [] if all(int(f.item()) == 1 for f in flags) else ["empty kernel did not run"]
 
-    b.measure(dict(op="floor", impl="empty_launch", w_dtype=None, kv_dtype=None, H=None, B=None),
-              [Runner(lambda f=f: empty_launch(f), None) for f in flags], empty_check,
-              note="one 1-program Triton kernel per layer (stores one int32)")
-    num_sms = (1 if b.smoke else
-               torch.cuda.get_device_properties(torch.device(dev)).multi_processor_count)
+    b.measure(
+        dict(op="floor", impl="empty_launch", w_dtype=None, kv_dtype=None, H=None, B=None),
+        [Runner(lambda f=f: empty_launch(f), None) for f in flags],
+        empty_check,
+        note="one 1-program Triton kernel per layer (stores one int32)",
+    )
+    num_sms = (
+        1 if b.smoke else torch.cuda.get_device_properties(torch.device(dev)).multi_processor_count
+    )
     P, L = b.dims["P"], b.dims["L"]
     for H in a.heads:
         torch.manual_seed(H)
@@ -196,30 +215,43 @@ def floor_rows(b: Bench, a) -> None:
                         probs.append(f"layer {i}: sum of partial sums wrong")
                 return probs
 
-            key = dict(op="floor", impl="weight_read", w_dtype="bf16", kv_dtype=None, H=H,
-                       B=None)
-            runners = [Runner(lambda w=w, p=p, n=pps * num_sms, blk=block:
-                              weight_read(w, p, n, blk), None) for w, p in zip(ws, parts)]
+            key = dict(op="floor", impl="weight_read", w_dtype="bf16", kv_dtype=None, H=H, B=None)
+            runners = [
+                Runner(lambda w=w, p=p, n=pps * num_sms, blk=block: weight_read(w, p, n, blk), None)
+                for w, p in zip(ws, parts)
+            ]
             try:
                 us = b.time([r.run for r in runners], check=check)
             except CheckFailed as e:
                 b.fail(dict(key, config=dict(programs=grid, block=block)), e.problems)
                 continue
             except Exception as e:  # noqa: BLE001
-                b.fail(dict(key, config=dict(programs=grid, block=block)),
-                       [f"raised {type(e).__name__}: {e}"])
+                b.fail(
+                    dict(key, config=dict(programs=grid, block=block)),
+                    [f"raised {type(e).__name__}: {e}"],
+                )
                 continue
             print(f"   floor weight_read H={H} programs={grid} block={block}: {us:.2f} us")
             if best is None or us < best[0]:
-                best = (us, dict(programs=grid, programs_per_sm=pps, block=block,
-                                 elements_per_program=per))
+                best = (
+                    us,
+                    dict(programs=grid, programs_per_sm=pps, block=block, elements_per_program=per),
+                )
         if best:
             nbytes = H * P * L * 2
             gbps = nbytes / (best[0] * 1e-6) / 1e9
-            b.rows.append(dict(key, us=round(best[0], 3), gbps=round(gbps, 1),
-                               pct_copy_bw=round(100 * gbps / b.copy_bw, 1), min_bytes=nbytes,
-                               correct=True, config=best[1],
-                               note="best of 4 grids; reads W_UK_T once, one fp32 per program"))
+            b.rows.append(
+                dict(
+                    key,
+                    us=round(best[0], 3),
+                    gbps=round(gbps, 1),
+                    pct_copy_bw=round(100 * gbps / b.copy_bw, 1),
+                    min_bytes=nbytes,
+                    correct=True,
+                    config=best[1],
+                    note="best of 4 grids; reads W_UK_T once, one fp32 per program",
+                )
+            )
             print(f"   floor weight_read H={H}: best {best[0]:.2f} us {best[1]}")
         ws = parts = runners = None
         empty_cache(b)
@@ -238,9 +270,16 @@ def self_test(b: Bench) -> None:
     H, B = (2, 5) if b.smoke else (16, 5)
     problems = []
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
-        x = make_inputs(B, H=H, **b.dims, kv_dtype=kv, block_size=BLOCK_SIZE,
-                        kv_scale="tensor", device=b.device,
-                        generator=torch.Generator().manual_seed(1))
+        x = make_inputs(
+            B,
+            H=H,
+            **b.dims,
+            kv_dtype=kv,
+            block_size=BLOCK_SIZE,
+            kv_scale="tensor",
+            device=b.device,
+            generator=torch.Generator().manual_seed(1),
+        )
         L, R = x.kv_c.shape[1], x.q_pe.shape[-1]
         for fmt in W_FORMATS:
             out = torch.empty(B, H, L + R, dtype=torch.bfloat16, device=b.device)
@@ -248,13 +287,17 @@ def self_test(b: Bench) -> None:
             check = prologue_check(x, r)
             base = list(check(r.run))
             if base:
-                problems.append(f"self-test {fmt} kv={KV_NAMES[kv]}: the fused kernel failed: "
-                                f"{base}")
+                problems.append(
+                    f"self-test {fmt} kv={KV_NAMES[kv]}: the fused kernel failed: {base}"
+                )
                 continue
             slot = int(x.slot_mapping[0])
             row = (slot // BLOCK_SIZE, slot % BLOCK_SIZE)
-            free = next(s for s in range(x.kv_cache.shape[0] * BLOCK_SIZE)
-                        if s not in set(x.slot_mapping.tolist()))
+            free = next(
+                s
+                for s in range(x.kv_cache.shape[0] * BLOCK_SIZE)
+                if s not in set(x.slot_mapping.tolist())
+            )
 
             def nan_q():
                 r.run()
@@ -262,8 +305,11 @@ def self_test(b: Bench) -> None:
 
             def bad_cache_byte():
                 r.run()
-                c = (x.kv_cache.view(torch.uint8) if x.kv_cache.element_size() == 1
-                     else x.kv_cache.view(torch.int16))
+                c = (
+                    x.kv_cache.view(torch.uint8)
+                    if x.kv_cache.element_size() == 1
+                    else x.kv_cache.view(torch.int16)
+                )
                 c[row[0], row[1], L + 1] += 3  # rope part, beyond any slack
 
             def stray_write():
@@ -271,17 +317,27 @@ def self_test(b: Bench) -> None:
                 bits = x.kv_cache.view(torch.uint8)  # FP8 or bf16: a byte pattern, not NaN
                 bits[free // BLOCK_SIZE, free % BLOCK_SIZE, :2] = 0
 
-            for name, corrupt in (("NaN in q", nan_q), ("changed cache byte", bad_cache_byte),
-                                  ("stray cache write", stray_write)):
+            for name, corrupt in (
+                ("NaN in q", nan_q),
+                ("changed cache byte", bad_cache_byte),
+                ("stray cache write", stray_write),
+            ):
                 if not check(corrupt):
-                    problems.append(f"self-test {fmt} kv={KV_NAMES[kv]}: the check missed a "
-                                    f"{name}")
+                    problems.append(f"self-test {fmt} kv={KV_NAMES[kv]}: the check missed a {name}")
     # padding slots (-1, as CUDA-graph padding): the fused kernel and the engine's cache kernel
     # skip them (the timed rows have none)
     for kv in (torch.bfloat16, torch.float8_e4m3fn):
-        x = make_inputs(8, H=H, **b.dims, kv_dtype=kv, block_size=BLOCK_SIZE, pad_fraction=0.4,
-                        kv_scale="tensor", device=b.device,
-                        generator=torch.Generator().manual_seed(3))
+        x = make_inputs(
+            8,
+            H=H,
+            **b.dims,
+            kv_dtype=kv,
+            block_size=BLOCK_SIZE,
+            pad_fraction=0.4,
+            kv_scale="tensor",
+            device=b.device,
+            generator=torch.Generator().manual_seed(3),
+        )
         L, R = x.kv_c.shape[1], x.q_pe.shape[-1]
         for name in ("fused", "engine_4kernel"):
             r = decode_runner(name, x, H, b)
@@ -305,12 +361,15 @@ def self_test(b: Bench) -> None:
         wk = apply_rope(kp, cos[pos], sin[pos], neox).to(torch.bfloat16)
         for name, got, want in (("q", qo, wq), ("k", ko, wk)):
             d = (got.float() - want.float()).abs()
-            if not bool((d <= 2 ** -7 * want.float().abs() + 1e-6).all()):
-                problems.append(f"self-test rotary is_neox={neox}: {name} differs from "
-                                f"fusemla.rope.apply_rope by up to {float(d.max()):.3g}")
+            if not bool((d <= 2**-7 * want.float().abs() + 1e-6).all()):
+                problems.append(
+                    f"self-test rotary is_neox={neox}: {name} differs from "
+                    f"fusemla.rope.apply_rope by up to {float(d.max()):.3g}"
+                )
     for p in problems:
         b.fail(dict(op="self_test", impl="checks"), [p])
-    print(f"   self-test: {'ok' if not problems else f'{len(problems)} problems'} (negative "
-          "controls of the checks, rotary kernel vs fusemla.rope)", flush=True)
-
-
+    print(
+        f"   self-test: {'ok' if not problems else f'{len(problems)} problems'} (negative "
+        "controls of the checks, rotary kernel vs fusemla.rope)",
+        flush=True,
+    )

@@ -74,14 +74,24 @@ def worker(args) -> None:
 
     batches = json.loads(args.batches)
     on_gpu = torch.cuda.is_available()
-    kw = dict(model=args.model, skip_tokenizer_init=True, max_model_len=args.max_len,
-              dtype="bfloat16", seed=0, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(8192, max(batches) * args.prompt))
+    kw = dict(
+        model=args.model,
+        skip_tokenizer_init=True,
+        max_model_len=args.max_len,
+        dtype="bfloat16",
+        seed=0,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(8192, max(batches) * args.prompt),
+    )
     if on_gpu:
-        sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(batches)}
-                       | set(batches))
-        kw.update(gpu_memory_utilization=0.2, kv_cache_memory_bytes=4 << 30,
-                  compilation_config={"cudagraph_capture_sizes": sizes})
+        sizes = sorted(
+            {s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s <= max(batches)} | set(batches)
+        )
+        kw.update(
+            gpu_memory_utilization=0.2,
+            kv_cache_memory_bytes=4 << 30,
+            compilation_config={"cudagraph_capture_sizes": sizes},
+        )
     else:
         kw.update(enforce_eager=True, attention_backend="CPU_MLA")
     llm = LLM(**kw)
@@ -95,9 +105,13 @@ def worker(args) -> None:
             counter[0] += 1
             ids.append(rid)
             prompt = [(counter[0] * 7919 + i * 104729) % 997 + 1 for i in range(args.prompt)]
-            engine.add_request(rid, {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0.0, max_tokens=steps + 8,
-                                              ignore_eos=True, detokenize=False))
+            engine.add_request(
+                rid,
+                {"prompt_token_ids": prompt},
+                SamplingParams(
+                    temperature=0.0, max_tokens=steps + 8, ignore_eos=True, detokenize=False
+                ),
+            )
         seen: set = set()
         n = 0
         while len(seen) < batch:  # prefill: until every request produced a token
@@ -126,8 +140,9 @@ def worker(args) -> None:
             prof.__exit__(None, None, None)
             from fusemla.integrations.vllm_testing import cuda_kernel_times
 
-            res["kernel_us_per_step"] = {k: us / steps
-                                         for k, (_, us) in cuda_kernel_times(prof).items()}
+            res["kernel_us_per_step"] = {
+                k: us / steps for k, (_, us) in cuda_kernel_times(prof).items()
+            }
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
@@ -149,13 +164,15 @@ def worker(args) -> None:
 
 
 class Engine:
-    def __init__(self, name: str, model: str, variant: str, args, gpu: int | None,
-                 log_dir: Path):
+    def __init__(self, name: str, model: str, variant: str, args, gpu: int | None, log_dir: Path):
         self.name = name
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FUSEMLA_", "VLLM_"))}
-        env.update(FUSEMLA_VLLM="0" if variant == "off" else "1", PYTHONUNBUFFERED="1",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_CACHE_ROOT=str(log_dir / "cache" / name))
+        env.update(
+            FUSEMLA_VLLM="0" if variant == "off" else "1",
+            PYTHONUNBUFFERED="1",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CACHE_ROOT=str(log_dir / "cache" / name),
+        )
         if variant in ("fp8", "fp8xfp8"):
             env["FUSEMLA_VLLM_W_UK"] = variant
         if gpu is not None:
@@ -163,11 +180,27 @@ class Engine:
         if args.smoke:
             env.update(VLLM_CPU_KVCACHE_SPACE="1")
         self.log = open(log_dir / f"{name}.log", "w")
-        cmd = [sys.executable, __file__, "worker", "--model", model,
-               "--batches", json.dumps(args.batches), "--prompt", str(args.prompt),
-               "--max-len", str(args.prompt + args.steps + 64)]
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, env=env)
+        cmd = [
+            sys.executable,
+            __file__,
+            "worker",
+            "--model",
+            model,
+            "--batches",
+            json.dumps(args.batches),
+            "--prompt",
+            str(args.prompt),
+            "--max-len",
+            str(args.prompt + args.steps + 64),
+        ]
+        self.p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
 
     def read(self, timeout: float = 900) -> dict:
         box: list = []
@@ -175,7 +208,7 @@ class Engine:
         def pump():
             for line in self.p.stdout:
                 if line.startswith(TAG):
-                    box.append(json.loads(line[len(TAG):]))
+                    box.append(json.loads(line[len(TAG) :]))
                     return
                 self.log.write(line)
             box.append({"error": f"engine {self.name} exited (rc={self.p.poll()})"})
@@ -209,12 +242,18 @@ def attribute(on: dict, off: dict) -> dict:
             c = cats.setdefault(category(name), {"on": 0.0, "off": 0.0})
             c[label] += us
     total = {"on": sum(on.values()), "off": sum(off.values())}
-    changed = {n: {"on": round(on.get(n, 0.0), 2), "off": round(off.get(n, 0.0), 2)}
-               for n in set(on) | set(off) if abs(on.get(n, 0.0) - off.get(n, 0.0)) > 0.5}
-    return {"gpu_us_per_step": {k: round(v, 2) for k, v in total.items()},
-            "by_category": {k: {x: round(y, 2) for x, y in v.items()} for k, v in cats.items()},
-            "changed_kernels": dict(sorted(changed.items(),
-                                           key=lambda kv: -abs(kv[1]["on"] - kv[1]["off"])))}
+    changed = {
+        n: {"on": round(on.get(n, 0.0), 2), "off": round(off.get(n, 0.0), 2)}
+        for n in set(on) | set(off)
+        if abs(on.get(n, 0.0) - off.get(n, 0.0)) > 0.5
+    }
+    return {
+        "gpu_us_per_step": {k: round(v, 2) for k, v in total.items()},
+        "by_category": {k: {x: round(y, 2) for x, y in v.items()} for k, v in cats.items()},
+        "changed_kernels": dict(
+            sorted(changed.items(), key=lambda kv: -abs(kv[1]["on"] - kv[1]["off"]))
+        ),
+    }
 
 
 def main() -> None:
@@ -239,7 +278,12 @@ def main() -> None:
         return
     if args.smoke:
         args.models, args.batches, args.repeats, args.steps, args.prompt = (
-            ["base"], [1, 2], 1, 3, 16)
+            ["base"],
+            [1, 2],
+            1,
+            3,
+            16,
+        )
     variants = ["off"] + [v for v in args.variants if v != "off"]
     try:
         import torch
@@ -252,15 +296,21 @@ def main() -> None:
     engines: dict = {}
     for i, m in enumerate(args.models):
         path = work / "models" / m
-        subprocess.run([sys.executable, str(ENGINE_RUN), "make-model", str(path), "--shape", m],
-                       check=True)
+        subprocess.run(
+            [sys.executable, str(ENGINE_RUN), "make-model", str(path), "--shape", m], check=True
+        )
         gpu = gpus[i % len(gpus)] if gpus else None
         for v in variants:
             engines[(m, v)] = Engine(f"{m}-{v}", str(path), v, args, gpu, work)
     ready = {k: e.read() for k, e in engines.items()}
     bad = {f"{k[0]}-{k[1]}": v for k, v in ready.items() if not v.get("ready")}
-    results: dict = {"method": __doc__.split("\n\n")[1], "args": vars(args), "rows": [],
-                     "attribution": {}, "errors": bad}
+    results: dict = {
+        "method": __doc__.split("\n\n")[1],
+        "args": vars(args),
+        "rows": [],
+        "attribution": {},
+        "errors": bad,
+    }
     if not bad:
         for m in args.models:
             group = {v: engines[(m, v)] for v in variants}
@@ -280,16 +330,22 @@ def main() -> None:
                         row["median"][v] = round(statistics.median(xs), 4)
                         row["spread"][v] = round(max(xs) - min(xs), 4)
                 off = row["median"].get("off")
-                row["saved_ms"] = {v: round(off - x, 4) for v, x in row["median"].items()
-                                   if v != "off" and off is not None}
+                row["saved_ms"] = {
+                    v: round(off - x, 4)
+                    for v, x in row["median"].items()
+                    if v != "off" and off is not None
+                }
                 results["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "tpot_ms"}), flush=True)
-                prof = {v: group[v].ask(batch=b, steps=min(args.steps, 16), profile=True)
-                        for v in variants}
+                prof = {
+                    v: group[v].ask(batch=b, steps=min(args.steps, 16), profile=True)
+                    for v in variants
+                }
                 for v in variants[1:]:
                     if all("kernel_us_per_step" in prof[x] for x in ("off", v)):
                         results["attribution"][f"{m}/B{b}/{v}"] = attribute(
-                            prof[v]["kernel_us_per_step"], prof["off"]["kernel_us_per_step"])
+                            prof[v]["kernel_us_per_step"], prof["off"]["kernel_us_per_step"]
+                        )
     for e in engines.values():
         e.close()
     results["seconds"] = round(time.time() - t_start, 1)
@@ -304,16 +360,20 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\nmodel        B   variant    TPOT ms (spread)   saved vs off ms   GPU us/step "
-          "off -> variant")
+    print(
+        "\nmodel        B   variant    TPOT ms (spread)   saved vs off ms   GPU us/step "
+        "off -> variant"
+    )
     for r in results["rows"]:
         for v, med in r["median"].items():
             a = results["attribution"].get(f"{r['model']}/B{r['batch']}/{v}", {})
             g = a.get("gpu_us_per_step", {})
             saved = r["saved_ms"].get(v)
             gpu = f"{g.get('off', 0):.1f} -> {g.get('on', 0):.1f}" if g else ""
-            print(f"{r['model']:<11} {r['batch']:>3}   {v:<9}  {med:.3f} ({r['spread'][v]:.3f})"
-                  f"      {'' if saved is None else f'{saved:+.3f}':>8}         {gpu}")
+            print(
+                f"{r['model']:<11} {r['batch']:>3}   {v:<9}  {med:.3f} ({r['spread'][v]:.3f})"
+                f"      {'' if saved is None else f'{saved:+.3f}':>8}         {gpu}"
+            )
 
 
 if __name__ == "__main__":

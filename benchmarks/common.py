@@ -26,8 +26,9 @@ def commit_id() -> str:
     if commit:
         return commit
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except Exception:  # noqa: BLE001 - no git: say so in the header
         return "unknown"
 

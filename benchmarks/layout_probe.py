@@ -62,17 +62,25 @@ def runner(x, out, fmt: str, layout: str, cfg: dict) -> Runner:
     args[4] = w
     ref_kw = {"act_quant": "fp8"} if fmt == "fp8xfp8" else {}
     prepared = prepare(*args, kv_scale=x.kv_scale, out=out, **ref_kw)
-    return Runner(lambda: launch(prepared, cfg), out, [out], None if fmt == "bf16" else w,
-                  ref_kw=ref_kw)
+    return Runner(
+        lambda: launch(prepared, cfg), out, [out], None if fmt == "bf16" else w, ref_kw=ref_kw
+    )
 
 
 def grid(B: int) -> list[dict]:
     if B <= configs.SMALL_BATCH:
-        return [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=1, programs_per_sm=0.0)
-                for bl, nw in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 4))]
-    return [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
-            for bl, bt, nw, ns, pps in ((128, 64, 4, 3, 2.0), (128, 64, 8, 2, 2.0),
-                                        (128, 128, 8, 3, 1.0))]
+        return [
+            dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=1, programs_per_sm=0.0)
+            for bl, nw in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 4))
+        ]
+    return [
+        dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+        for bl, bt, nw, ns, pps in (
+            (128, 64, 4, 3, 2.0),
+            (128, 64, 8, 2, 2.0),
+            (128, 128, 8, 3, 1.0),
+        )
+    ]
 
 
 def main() -> int:
@@ -86,11 +94,21 @@ def main() -> int:
     os.environ["FUSEMLA_PDL"] = "off"
     dims = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
     P, R, L = dims["P"], dims["R"], dims["L"]
-    b = Bench(smoke=False, device="cuda", dims=dims, layers=8,
-              num_blocks=2 * max(a.batches) // BLOCK_SIZE + 2, out_path=None)
-    header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  commit=commit_id(), method="bench_prologue's: 8-layer CUDA graph, PDL off, "
-                  "checked on the captured graph before timing, do_bench median / 8")
+    b = Bench(
+        smoke=False,
+        device="cuda",
+        dims=dims,
+        layers=8,
+        num_blocks=2 * max(a.batches) // BLOCK_SIZE + 2,
+        out_path=None,
+    )
+    header = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        commit=commit_id(),
+        method="bench_prologue's: 8-layer CUDA graph, PDL off, "
+        "checked on the captured graph before timing, do_bench median / 8",
+    )
     recs, fails = [], []
     t0 = time.perf_counter()
     # batch outer: the small-batch rows (the question) first, should the run be cut short
@@ -100,17 +118,41 @@ def main() -> int:
         # fp8xfp8 above the small bucket: known slow (0e54a86), not the question here
         fmts = [f for f in a.formats if bucket == "small" or f != "fp8xfp8"]
         for fmt, layout in itertools.product(fmts, ("l", "k")):
-            base = configs.launch_config(H, P, R, L, "cuda", bucket == "small",
-                                         large=bucket == "large",
-                                         w_format="plain" if fmt == "bf16" else fmt)
+            base = configs.launch_config(
+                H,
+                P,
+                R,
+                L,
+                "cuda",
+                bucket == "small",
+                large=bucket == "large",
+                w_format="plain" if fmt == "bf16" else fmt,
+            )
             for i, o in enumerate([{}] + grid(B)):
                 cfg = {**base, **o}
-                key = dict(H=H, B=B, impl="fused", fmt=fmt, layout=layout, shipped=i == 0,
-                           config={k: cfg[k] for k in ("BLOCK_L", "BLOCK_T", "num_warps",
-                                                       "num_stages", "programs_per_sm")})
+                key = dict(
+                    H=H,
+                    B=B,
+                    impl="fused",
+                    fmt=fmt,
+                    layout=layout,
+                    shipped=i == 0,
+                    config={
+                        k: cfg[k]
+                        for k in (
+                            "BLOCK_L",
+                            "BLOCK_T",
+                            "num_warps",
+                            "num_stages",
+                            "programs_per_sm",
+                        )
+                    },
+                )
                 try:
-                    outs = [torch.empty(B, H, L + R, dtype=torch.bfloat16, device="cuda")
-                            for _ in layers]
+                    outs = [
+                        torch.empty(B, H, L + R, dtype=torch.bfloat16, device="cuda")
+                        for _ in layers
+                    ]
                     rs = [runner(x, o_, fmt, layout, cfg) for x, o_ in zip(layers, outs)]
                     us = b.time([r.run for r in rs], rep=40, check=prologue_check(layers[0], rs[0]))
                 except CheckFailed as e:
@@ -141,13 +183,20 @@ def main() -> int:
         k = (r["H"], r["B"], r["impl"], r["fmt"], r["layout"])
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r
-    print(f"\n{'H':>4} {'B':>4} {'impl':<6} {'fmt':<8} {'lay':<3} {'best us':>8} "
-          f"{'shipped':>8}  best config")
+    print(
+        f"\n{'H':>4} {'B':>4} {'impl':<6} {'fmt':<8} {'lay':<3} {'best us':>8} "
+        f"{'shipped':>8}  best config"
+    )
     for k in sorted(best):
-        shipped = [r["us"] for r in recs if r.get("shipped") and
-                   (r["H"], r["B"], r["impl"], r["fmt"], r["layout"]) == k]
-        print(f"{k[0]:>4} {k[1]:>4} {k[2]:<6} {k[3]:<8} {k[4]:<3} {best[k]['us']:>8.2f} "
-              f"{(shipped[0] if shipped else float('nan')):>8.2f}  {best[k]['config']}")
+        shipped = [
+            r["us"]
+            for r in recs
+            if r.get("shipped") and (r["H"], r["B"], r["impl"], r["fmt"], r["layout"]) == k
+        ]
+        print(
+            f"{k[0]:>4} {k[1]:>4} {k[2]:<6} {k[3]:<8} {k[4]:<3} {best[k]['us']:>8.2f} "
+            f"{(shipped[0] if shipped else float('nan')):>8.2f}  {best[k]['config']}"
+        )
     print(f"{len(recs)} timed, {len(fails)} failed")
     return 1 if fails else 0
 
@@ -160,8 +209,7 @@ def aiter(b: Bench, layers, H: int, B: int, recs: list, fails: list) -> None:
         print("aiter unavailable:", why)
         return
     for cfg, layout in itertools.product(ap.quick_configs(), ("k", "l")):
-        key = dict(H=H, B=B, impl="aiter", fmt="fp8xfp8", layout=layout, shipped=False,
-                   config=cfg)
+        key = dict(H=H, B=B, impl="aiter", fmt="fp8xfp8", layout=layout, shipped=False, config=cfg)
         try:
             peers = aiter_peers(layers, cfg, "aiter" if layout == "k" else "ours")
             us = b.time(peers, check=aiter_check(peers[0], layers[0]), rep=40)
@@ -172,8 +220,10 @@ def aiter(b: Bench, layers, H: int, B: int, recs: list, fails: list) -> None:
             fails.append(dict(key, error=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
         recs.append(dict(key, us=round(us, 3)))
-        print(f"H={H} B={B} aiter/{layout} {cfg['BLOCK_SIZE_N']},{cfg['num_stages']}: {us:.2f}",
-              flush=True)
+        print(
+            f"H={H} B={B} aiter/{layout} {cfg['BLOCK_SIZE_N']},{cfg['num_stages']}: {us:.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -36,23 +36,49 @@ def main() -> int:
     H, B = a.heads, a.batch
     dims = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
     P, R, L = dims["P"], dims["R"], dims["L"]
-    b = Bench(smoke=False, device="cuda", dims=dims, layers=1,
-              num_blocks=2 * B // BLOCK_SIZE + 2, out_path=None)
+    b = Bench(
+        smoke=False,
+        device="cuda",
+        dims=dims,
+        layers=1,
+        num_blocks=2 * B // BLOCK_SIZE + 2,
+        out_path=None,
+    )
     x = b.inputs(B, H, torch.bfloat16, seed=11)[0]
     bucket = configs.batch_bucket(B)
     calls = []
-    for fmt, layout in (("bf16", "l"), ("bf16", "k"), ("fp8", "l"), ("fp8", "k"),
-                        ("fp8xfp8", "l"), ("fp8xfp8", "k")):
-        cfg = configs.launch_config(H, P, R, L, "cuda", bucket == "small",
-                                    large=bucket == "large",
-                                    w_format="plain" if fmt == "bf16" else fmt)
+    for fmt, layout in (
+        ("bf16", "l"),
+        ("bf16", "k"),
+        ("fp8", "l"),
+        ("fp8", "k"),
+        ("fp8xfp8", "l"),
+        ("fp8xfp8", "k"),
+    ):
+        cfg = configs.launch_config(
+            H,
+            P,
+            R,
+            L,
+            "cuda",
+            bucket == "small",
+            large=bucket == "large",
+            w_format="plain" if fmt == "bf16" else fmt,
+        )
         out = torch.empty(B, H, L + R, dtype=torch.bfloat16, device="cuda")
         calls.append((f"fused {fmt}/{layout}", runner(x, out, fmt, layout, cfg).run))
     import aiter_peer as ap
 
     if ap.available() is None:
-        cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
-                   num_warps=4, num_stages=1, cache_modifier=".cg")
+        cfg = dict(
+            BLOCK_SIZE_M=16,
+            BLOCK_SIZE_N=64,
+            BLOCK_SIZE_K=128,
+            GROUP_SIZE_M=1,
+            num_warps=4,
+            num_stages=1,
+            cache_modifier=".cg",
+        )
         for layout in ("k", "l"):
             p = aiter_peers([x], cfg, "aiter" if layout == "k" else "ours")[0]
             calls.append((f"aiter fp8xfp8/{layout}", p))

@@ -40,10 +40,31 @@ ROTARY_BLOCK_H = 16
 
 
 @triton.jit
-def rotary_kernel(p_pos, s_pos, p_cos, s_cos, p_sin, s_sin, max_pos,
-                  p_q, s_q_t, s_q_h, p_k, s_k_t, p_qo, s_qo_t, s_qo_h, p_ko, s_ko_t,
-                  H, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  IS_NEOX: tl.constexpr, FIX_BF16: tl.constexpr):
+def rotary_kernel(
+    p_pos,
+    s_pos,
+    p_cos,
+    s_cos,
+    p_sin,
+    s_sin,
+    max_pos,
+    p_q,
+    s_q_t,
+    s_q_h,
+    p_k,
+    s_k_t,
+    p_qo,
+    s_qo_t,
+    s_qo_h,
+    p_ko,
+    s_ko_t,
+    H,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+):
     """Program (t, j) rotates heads [j * BLOCK_H, (j + 1) * BLOCK_H) of q_pe[t]; program (t, 0)
     also k_pe[t] (vLLM's ``rotary_embedding`` runs one block per token; this splits a token's
     heads over several programs, which only lowers its latency). fp32 math,
@@ -95,30 +116,69 @@ def rotary(positions, cos_cache, sin_cache, q_pe, k_pe, q_out, k_out, is_neox=Fa
         return
     k_pe = k_pe.reshape(N, R) if k_pe.dim() == 3 else k_pe
     k_out = k_out.reshape(N, R) if k_out.dim() == 3 else k_out
-    for name, x in (("q_pe", q_pe), ("k_pe", k_pe), ("q_out", q_out), ("k_out", k_out),
-                    ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+    for name, x in (
+        ("q_pe", q_pe),
+        ("k_pe", k_pe),
+        ("q_out", q_out),
+        ("k_out", k_out),
+        ("cos_cache", cos_cache),
+        ("sin_cache", sin_cache),
+    ):
         if x.stride(-1) != 1:
             raise ValueError(f"rotary: {name} needs a contiguous last dim")
     half = R // 2
     block_h = min(triton.next_power_of_2(H), ROTARY_BLOCK_H)
     rotary_kernel[(N, triton.cdiv(H, block_h))](
-        positions, positions.stride(0), cos_cache, cos_cache.stride(0), sin_cache,
-        sin_cache.stride(0), cos_cache.shape[0],
-        q_pe, q_pe.stride(0), q_pe.stride(1), k_pe, k_pe.stride(0),
-        q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0),
-        H, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=block_h, IS_NEOX=bool(is_neox),
-        FIX_BF16=_interpreting() and q_out.dtype == torch.bfloat16, num_warps=4)
+        positions,
+        positions.stride(0),
+        cos_cache,
+        cos_cache.stride(0),
+        sin_cache,
+        sin_cache.stride(0),
+        cos_cache.shape[0],
+        q_pe,
+        q_pe.stride(0),
+        q_pe.stride(1),
+        k_pe,
+        k_pe.stride(0),
+        q_out,
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out,
+        k_out.stride(0),
+        H,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_H=block_h,
+        IS_NEOX=bool(is_neox),
+        FIX_BF16=_interpreting() and q_out.dtype == torch.bfloat16,
+        num_warps=4,
+    )
 
 
 # ------------------------------------------------------------------------------- cache write
 
 
 @triton.jit
-def cache_write_kernel(p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_slot, s_slot, p_cache, s_cache_b,
-                       s_cache_s, block_size, num_slots, p_scale,
-                       L, R, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                       KV_FP8: tl.constexpr):
+def cache_write_kernel(
+    p_kvc,
+    s_kvc_t,
+    p_kpe,
+    s_kpe_t,
+    p_slot,
+    s_slot,
+    p_cache,
+    s_cache_b,
+    s_cache_s,
+    block_size,
+    num_slots,
+    p_scale,
+    L,
+    R,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """One program per token (vLLM's ``concat_and_cache_mla``): cache row ``slot`` =
     ``[kv_c[t], k_pe[t]]``; FP8: ``saturate(x / scale)`` (IEEE division), ties to even.
     Slots < 0 or >= num_slots write nothing."""
@@ -156,14 +216,27 @@ def cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=None) -> None:
     R = k_pe.shape[1]
     code = fp8_code(kv_cache.dtype)
     if code and not isinstance(kv_scale, torch.Tensor):
-        kv_scale = torch.full((1,), float(kv_scale), dtype=torch.float32,
-                              device=kv_cache.device)
+        kv_scale = torch.full((1,), float(kv_scale), dtype=torch.float32, device=kv_cache.device)
     cache_write_kernel[(N,)](
-        kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), slot_mapping, slot_mapping.stride(0),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[1],
-        kv_cache.shape[0] * kv_cache.shape[1], kv_scale if code else kv_c,
-        L, R, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=triton.next_power_of_2(R),
-        KV_FP8=code, num_warps=4)
+        kv_c,
+        kv_c.stride(0),
+        k_pe,
+        k_pe.stride(0),
+        slot_mapping,
+        slot_mapping.stride(0),
+        kv_cache,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.shape[1],
+        kv_cache.shape[0] * kv_cache.shape[1],
+        kv_scale if code else kv_c,
+        L,
+        R,
+        BLOCK_L=triton.next_power_of_2(L),
+        BLOCK_R=triton.next_power_of_2(R),
+        KV_FP8=code,
+        num_warps=4,
+    )
 
 
 # ------------------------------------------------------------------------------- engine path
@@ -197,8 +270,9 @@ class EnginePrologue:
         x, D = self.inp, self.D
         if D > 0:
             torch.bmm(x.q_nope[:D].transpose(0, 1), x.w_uk_t, out=self.ql)  # 1: cuBLAS
-        rotary(x.positions, x.cos_cache, x.sin_cache, x.q_pe, x.k_pe, self.q_rot,
-               self.k_rot)  # 2: one rotary kernel
+        rotary(
+            x.positions, x.cos_cache, x.sin_cache, x.q_pe, x.k_pe, self.q_rot, self.k_rot
+        )  # 2: one rotary kernel
         if D > 0:
             torch.cat([self.ql.transpose(0, 1), self.q_rot[:D]], dim=-1, out=self.out)  # 3
         cache_write(x.kv_c, self.k_rot, x.kv_cache, x.slot_mapping, x.kv_scale)  # 4
@@ -222,14 +296,43 @@ def make_compiled_body():
     from fusemla.ops.prologue.args import PrologueArgs, PrologueSpec
     from fusemla.reference.prologue import prologue_into
 
-    def body(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
-             slot_mapping, kv_scale, out, q_pe_out, k_pe_out, num_decode_tokens=None):
+    def body(
+        q_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        w_uk_t,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_cache,
+        slot_mapping,
+        kv_scale,
+        out,
+        q_pe_out,
+        k_pe_out,
+        num_decode_tokens=None,
+    ):
         D = q_nope.shape[0] if num_decode_tokens is None else num_decode_tokens
         spec = PrologueSpec(w_uk_t=w_uk_t, cos_cache=cos_cache, sin_cache=sin_cache)
-        prologue_into(PrologueArgs(
-            spec=spec, q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, positions=positions,
-            kv_cache=kv_cache, slot_mapping=slot_mapping, num_decode_tokens=D, apply_rope=True,
-            kv_scale=kv_scale, q=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out))
+        prologue_into(
+            PrologueArgs(
+                spec=spec,
+                q_nope=q_nope,
+                q_pe=q_pe,
+                kv_c=kv_c,
+                k_pe=k_pe,
+                positions=positions,
+                kv_cache=kv_cache,
+                slot_mapping=slot_mapping,
+                num_decode_tokens=D,
+                apply_rope=True,
+                kv_scale=kv_scale,
+                q=out,
+                q_pe_out=q_pe_out,
+                k_pe_out=k_pe_out,
+            )
+        )
         return out, q_pe_out, k_pe_out
 
     return body

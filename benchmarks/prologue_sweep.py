@@ -16,14 +16,32 @@ import itertools
 from fusemla.ops.prologue.configs import SMALL_BATCH
 
 #: the config keys of the kernel (``fusemla.ops.prologue.configs``)
-CONFIG_KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
-               "num_warps", "num_stages", "programs_per_sm")
+CONFIG_KEYS = (
+    "BLOCK_P",
+    "BLOCK_L",
+    "BLOCK_T",
+    "BLOCK_R",
+    "BLOCK_LC",
+    "ROPE_ROWS",
+    "CACHE_ROWS",
+    "num_warps",
+    "num_stages",
+    "programs_per_sm",
+)
 
 
 #: large-batch BMM tiles (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm): the best
 #: of the first (broad) H200 sweep, crossed with RoPE/cache tiles below
-LARGE_BMM = ((128, 64, 8, 2, 1), (128, 64, 8, 2, 2), (128, 128, 8, 3, 1), (128, 64, 4, 3, 2),
-             (256, 64, 8, 2, 2), (256, 128, 8, 2, 1), (128, 64, 4, 2, 2), (128, 64, 8, 3, 1))
+LARGE_BMM = (
+    (128, 64, 8, 2, 1),
+    (128, 64, 8, 2, 2),
+    (128, 128, 8, 3, 1),
+    (128, 64, 4, 3, 2),
+    (256, 64, 8, 2, 2),
+    (256, 128, 8, 2, 1),
+    (128, 64, 4, 2, 2),
+    (128, 64, 8, 3, 1),
+)
 
 
 def sweep_space(H: int, B: int, w_format: str) -> list[dict]:
@@ -34,16 +52,29 @@ def sweep_space(H: int, B: int, w_format: str) -> list[dict]:
     persistent, pipelined); above, the best large-batch BMM tiles x RoPE/cache tiles."""
     del H, w_format  # one grid for every head count and format
     if B <= SMALL_BATCH:
-        grid = [dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns)
-                for bl, nw, (pps, ns) in itertools.product(
-                    (64, 128, 256), (4, 8), ((0, 1), (0, 2), (0, 3), (2, 3)))]
+        grid = [
+            dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns)
+            for bl, nw, (pps, ns) in itertools.product(
+                (64, 128, 256), (4, 8), ((0, 1), (0, 2), (0, 3), (2, 3))
+            )
+        ]
     else:
         tiles = [(t, 64, 4) for t in LARGE_BMM]
-        tiles += [(t, rr, cr) for rr, cr in ((32, 4), (128, 4), (64, 8), (128, 8))
-                  for t in LARGE_BMM[:3]]
-        grid = [dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=pps,
-                     ROPE_ROWS=rr, CACHE_ROWS=cr)
-                for (bl, bt, nw, ns, pps), rr, cr in tiles]
+        tiles += [
+            (t, rr, cr) for rr, cr in ((32, 4), (128, 4), (64, 8), (128, 8)) for t in LARGE_BMM[:3]
+        ]
+        grid = [
+            dict(
+                BLOCK_L=bl,
+                BLOCK_T=bt,
+                num_warps=nw,
+                num_stages=ns,
+                programs_per_sm=pps,
+                ROPE_ROWS=rr,
+                CACHE_ROWS=cr,
+            )
+            for (bl, bt, nw, ns, pps), rr, cr in tiles
+        ]
     return [{}] + grid
 
 

@@ -23,15 +23,22 @@ def _load(path: str) -> tuple[dict, list]:
         d = json.load(f)
     h = d["header"]
     bw = f", copy bandwidth {h['copy_bw_gbps']:.0f} GB/s" if "copy_bw_gbps" in h else ""
-    print(f"{path}: {h['gpu']}, torch {h['torch']}, triton {h['triton']}, commit "
-          f"{h['commit'][:7]}{bw}; {h['method']}.\n")
+    print(
+        f"{path}: {h['gpu']}, torch {h['torch']}, triton {h['triton']}, commit "
+        f"{h['commit'][:7]}{bw}; {h['method']}.\n"
+    )
     failures = d.get("failures") or []
     if failures:
-        print(f"**WARNING: this run has {len(failures)} failed correctness checks or errors; "
-              "those implementations/shapes have no rows:**")
+        print(
+            f"**WARNING: this run has {len(failures)} failed correctness checks or errors; "
+            "those implementations/shapes have no rows:**"
+        )
         for f in failures:
-            what = " ".join(str(f.get(k)) for k in ("op", "impl", "w_dtype", "kv_dtype", "H", "B")
-                            if f.get(k) is not None)
+            what = " ".join(
+                str(f.get(k))
+                for k in ("op", "impl", "w_dtype", "kv_dtype", "H", "B")
+                if f.get(k) is not None
+            )
             print(f"- {what}: {'; '.join(f.get('problems', []))[:200]}")
         print()
     rows = [dict(r, impl=ALIASES.get(r["impl"], r["impl"])) for r in d["rows"]]
@@ -73,27 +80,40 @@ def print_baselines(rows: list) -> None:
     """Per kv cache dtype: fused (bf16 W) vs the peers an NVIDIA user would run instead."""
     kvs = sorted({r["kv_dtype"] for r in rows if r["op"] == "decode_prologue"})
     for kv in kvs:
+
         def us(impl, H, B, kv=kv):
-            r = _pick(rows, op="decode_prologue", impl=impl, H=H, B=B, w_dtype="bf16",
-                      kv_dtype=kv)
+            r = _pick(rows, op="decode_prologue", impl=impl, H=H, B=B, w_dtype="bf16", kv_dtype=kv)
             return r["us"] if r else None
 
         print(f"\nDecode prologue, bf16 weights, {kv} cache, µs per layer:\n")
-        print("| H | B | fused | vLLM-style 4 kernels | unfused, torch.compile (batch dynamic) "
-              "| cuBLAS bmm alone | fused vs 4 kernels | fused vs compiled | fused % copy BW "
-              "| reference, eager |")
+        print(
+            "| H | B | fused | vLLM-style 4 kernels | unfused, torch.compile (batch dynamic) "
+            "| cuBLAS bmm alone | fused vs 4 kernels | fused vs compiled | fused % copy BW "
+            "| reference, eager |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
-        pairs = sorted({(r["H"], r["B"]) for r in rows
-                        if r["op"] == "decode_prologue" and r["kv_dtype"] == kv})
+        pairs = sorted(
+            {(r["H"], r["B"]) for r in rows if r["op"] == "decode_prologue" and r["kv_dtype"] == kv}
+        )
         for H, B in pairs:
-            f, e, c, b, ref = (us(i, H, B) for i in ("fused", "engine_4kernel",
-                                                     "unfused_compiled", "cublas_bmm_only",
-                                                     "reference_eager"))
-            fr = _pick(rows, op="decode_prologue", impl="fused", H=H, B=B, w_dtype="bf16",
-                       kv_dtype=kv)
+            f, e, c, b, ref = (
+                us(i, H, B)
+                for i in (
+                    "fused",
+                    "engine_4kernel",
+                    "unfused_compiled",
+                    "cublas_bmm_only",
+                    "reference_eager",
+                )
+            )
+            fr = _pick(
+                rows, op="decode_prologue", impl="fused", H=H, B=B, w_dtype="bf16", kv_dtype=kv
+            )
             pct = f"{fr['pct_copy_bw']}%" if fr and "pct_copy_bw" in fr else "-"
-            print(f"| {H} | {B} | {_f(f)} | {_f(e)} | {_f(c)} | {_f(b)} | {_ratio(e, f)} | "
-                  f"{_ratio(c, f)} | {pct} | {_f(ref, 1)} |")
+            print(
+                f"| {H} | {B} | {_f(f)} | {_f(e)} | {_f(c)} | {_f(b)} | {_ratio(e, f)} | "
+                f"{_ratio(c, f)} | {pct} | {_f(ref, 1)} |"
+            )
 
 
 def print_formats(rows: list) -> None:
@@ -101,8 +121,11 @@ def print_formats(rows: list) -> None:
         r = _pick(rows, op="decode_prologue", impl="fused", H=H, B=B, w_dtype=w, kv_dtype=kv)
         return r["us"] if r else None
 
-    quant = [r for r in rows if r["op"] == "decode_prologue" and r["impl"] == "fused"
-             and r["w_dtype"] != "bf16"]
+    quant = [
+        r
+        for r in rows
+        if r["op"] == "decode_prologue" and r["impl"] == "fused" and r["w_dtype"] != "bf16"
+    ]
     if not quant:
         return
     # fp8_act: rows of JSONs from before 0.3.0, which had the FP8-activation variant
@@ -121,10 +144,11 @@ def print_formats(rows: list) -> None:
 
 
 def print_mixed(rows: list) -> None:
-    impls = ("fused", "fused_two_launches", "engine_4kernel", "unfused_compiled",
-             "reference_eager")
-    print("\n| H | cache | tokens | one launch | two launches | vLLM-style 4 kernels "
-          "| unfused, torch.compile | reference, eager |")
+    impls = ("fused", "fused_two_launches", "engine_4kernel", "unfused_compiled", "reference_eager")
+    print(
+        "\n| H | cache | tokens | one launch | two launches | vLLM-style 4 kernels "
+        "| unfused, torch.compile | reference, eager |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     keys = sorted({(r["H"], r["kv_dtype"]) for r in rows if r["op"] == "mixed_prologue"})
     for H, kv in keys:
@@ -138,54 +162,78 @@ def print_mixed(rows: list) -> None:
 
 
 def print_layer(rows: list) -> None:
-    print("\n| H | B | context | decode step, fused | unfused | saved | latent part, fused "
-          "| unfused |")
+    print(
+        "\n| H | B | context | decode step, fused | unfused | saved | latent part, fused "
+        "| unfused |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     keys = sorted({(r["H"], r["B"], r["context"]) for r in rows if r["op"] == "mla_decode_step"})
     for H, B, ctx in keys:
-        v = {(op, impl): _pick(rows, op=op, impl=impl, H=H, B=B, context=ctx)
-             for op in ("mla_decode_step", "mla_decode_latent") for impl in ("fused", "unfused")}
+        v = {
+            (op, impl): _pick(rows, op=op, impl=impl, H=H, B=B, context=ctx)
+            for op in ("mla_decode_step", "mla_decode_latent")
+            for impl in ("fused", "unfused")
+        }
         if any(x is None for x in v.values()):
             continue
         f, u = v["mla_decode_step", "fused"]["us"], v["mla_decode_step", "unfused"]["us"]
-        print(f"| {H} | {B} | {ctx} | {f:.1f} | {u:.1f} | {u - f:.1f} | "
-              f"{v['mla_decode_latent', 'fused']['us']:.1f} | "
-              f"{v['mla_decode_latent', 'unfused']['us']:.1f} |")
+        print(
+            f"| {H} | {B} | {ctx} | {f:.1f} | {u:.1f} | {u - f:.1f} | "
+            f"{v['mla_decode_latent', 'fused']['us']:.1f} | "
+            f"{v['mla_decode_latent', 'unfused']['us']:.1f} |"
+        )
 
 
 def print_pdl(rows: list) -> None:
-    chains = {"qb_gemm_chain": "cuBLAS q_b_proj GEMM -> prologue -> next kernel",
-              "triton_producer_chain": "two Triton producers -> prologue -> next kernel"}
+    chains = {
+        "qb_gemm_chain": "cuBLAS q_b_proj GEMM -> prologue -> next kernel",
+        "triton_producer_chain": "two Triton producers -> prologue -> next kernel",
+    }
     pdl = [r for r in rows if r["op"] == "pdl_chain"]
     for chain, what in chains.items():
         keys = sorted({(r["H"], r["B"]) for r in pdl if r["impl"].startswith(chain)})
         if not keys:
             continue
         print(f"\nPDL, {what}, µs per layer:\n")
-        print("| H | B | producers + next kernel alone | with the prologue, PDL off | PDL on "
-              "| saved |")
+        print(
+            "| H | B | producers + next kernel alone | with the prologue, PDL off | PDL on "
+            "| saved |"
+        )
         print("|---|---|---|---|---|---|")
         for H, B in keys:
-            v = {i: _pick(pdl, impl=f"{chain}_{i}", H=H, B=B)
-                 for i in ("producers_only", "pdl_off", "pdl_on")}
+            v = {
+                i: _pick(pdl, impl=f"{chain}_{i}", H=H, B=B)
+                for i in ("producers_only", "pdl_off", "pdl_on")
+            }
             u = {i: (r["us"] if r else None) for i, r in v.items()}
-            saved = (_f(u["pdl_off"] - u["pdl_on"]) if u["pdl_off"] is not None
-                     and u["pdl_on"] is not None else "-")
-            print(f"| {H} | {B} | {_f(u['producers_only'])} | {_f(u['pdl_off'])} | "
-                  f"{_f(u['pdl_on'])} | {saved} |")
+            saved = (
+                _f(u["pdl_off"] - u["pdl_on"])
+                if u["pdl_off"] is not None and u["pdl_on"] is not None
+                else "-"
+            )
+            print(
+                f"| {H} | {B} | {_f(u['producers_only'])} | {_f(u['pdl_off'])} | "
+                f"{_f(u['pdl_on'])} | {saved} |"
+            )
     old = sorted({(r["H"], r["B"]) for r in pdl if r["impl"] == "chain_pdl"})
     if old:  # JSONs before the chains got names
-        print("\n| H | B | two Triton producers alone | producers + prologue, PDL off | PDL on "
-              "| saved |")
+        print(
+            "\n| H | B | two Triton producers alone | producers + prologue, PDL off | PDL on "
+            "| saved |"
+        )
         print("|---|---|---|---|---|---|")
         for H, B in old:
-            v = {i: _pick(pdl, impl=i, H=H, B=B)
-                 for i in ("producers_only", "chain_no_pdl", "chain_pdl")}
+            v = {
+                i: _pick(pdl, impl=i, H=H, B=B)
+                for i in ("producers_only", "chain_no_pdl", "chain_pdl")
+            }
             if any(x is None for x in v.values()):
                 continue
             off, on = v["chain_no_pdl"]["us"], v["chain_pdl"]["us"]
-            print(f"| {H} | {B} | {v['producers_only']['us']:.2f} | {off:.2f} | {on:.2f} | "
-                  f"{off - on:.2f} |")
+            print(
+                f"| {H} | {B} | {v['producers_only']['us']:.2f} | {off:.2f} | {on:.2f} | "
+                f"{off - on:.2f} |"
+            )
 
 
 def print_floors(rows: list) -> None:
@@ -197,8 +245,10 @@ def print_floors(rows: list) -> None:
             continue
         cfg = r.get("config")
         cfg = ", ".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "1 program"
-        print(f"| {r['impl']} | {r.get('H') or '-'} | {r['us']:.2f} | "
-              f"{_f(r.get('gbps'), 0)} | {r.get('pct_copy_bw', '-')} | {cfg} |")
+        print(
+            f"| {r['impl']} | {r.get('H') or '-'} | {r['us']:.2f} | "
+            f"{_f(r.get('gbps'), 0)} | {r.get('pct_copy_bw', '-')} | {cfg} |"
+        )
 
 
 if __name__ == "__main__":

@@ -135,8 +135,10 @@ def prepare_triton(device: str) -> None:
         is_interp = type(kernel).__name__ == "InterpretedFunction"
         if is_interp != want_interp:
             have = "the interpreter" if is_interp else "the compiler"
-            raise RuntimeError(f"{_KERNEL_MODULE} was already imported for {have} in this "
-                               "process; run the demo in a fresh process")
+            raise RuntimeError(
+                f"{_KERNEL_MODULE} was already imported for {have} in this "
+                "process; run the demo in a fresh process"
+            )
 
 
 def _gpu_time_ms(fn: Callable[[], Any], reps_per_graph: int = 20) -> tuple[float, str]:
@@ -177,8 +179,9 @@ def _label(H: int, B: int, kv_name: str, D: int | None = None) -> str:
     return f"H={H} B={B}{split} {kv_name} cache"
 
 
-def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool,
-             D: int | None = None) -> CaseResult:
+def run_case(
+    B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool, D: int | None = None
+) -> CaseResult:
     """Run fused and reference on identical poisoned caches, compare, and (GPU) time both.
 
     ``D``: decode tokens of a mixed batch (the rest prefill); None = all decode."""
@@ -191,8 +194,16 @@ def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool,
     kv_name = "bf16" if kv_dtype is None else "fp8e4m3"
     label = _label(dims["H"], B, kv_name, D)
     g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(B, **dims, dtype=torch.bfloat16, kv_dtype=kv_dtype, num_decode_tokens=D,
-                      pad_fraction=0.1 if B > 1 else 0.0, device=device, generator=g)
+    inp = make_inputs(
+        B,
+        **dims,
+        dtype=torch.bfloat16,
+        kv_dtype=kv_dtype,
+        num_decode_tokens=D,
+        pad_fraction=0.1 if B > 1 else 0.0,
+        device=device,
+        generator=g,
+    )
     cache_before = inp.kv_cache.clone()
     cache_ref = inp.kv_cache.clone()
 
@@ -210,11 +221,15 @@ def run_case(B: int, dims: dict, kv_dtype, device: str, seed: int, timed: bool,
         result.time_fused, result.time_ref, result.timing = t1 - t0, t2 - t1, "interpreter"
     elif result.comparison.ok:
         # rewriting the same rows with the same values: the checked results stay valid
-        bufs = dict(out=torch.empty_like(out.q), q_pe_out=torch.empty_like(out.q_pe),
-                    k_pe_out=torch.empty_like(out.k_pe))
+        bufs = dict(
+            out=torch.empty_like(out.q),
+            q_pe_out=torch.empty_like(out.q_pe),
+            k_pe_out=torch.empty_like(out.k_pe),
+        )
         result.time_fused, how = _gpu_time_ms(lambda: inp.run(mla_prologue, **bufs))
         result.time_ref, how_ref = _gpu_time_ms(
-            lambda: inp.run(mla_prologue_ref, kv_cache=cache_ref, **bufs))
+            lambda: inp.run(mla_prologue_ref, kv_cache=cache_ref, **bufs)
+        )
         result.timing = how if how == how_ref else f"{how}/{how_ref}"
     return result
 
@@ -224,18 +239,24 @@ def _format_row(r: CaseResult) -> str:
     if "q_max_abs_diff" not in m:
         return f"  {r.label:<32} {'; '.join(r.comparison.problems)}"
     if m.get("cache_kind") == "fp8":
-        rows = (f"{m['rows_agree']}/{m['rows_valid']} rows, "
-                f"{m.get('fp8_codes_off_by_one', 0)} codes +-1")
+        rows = (
+            f"{m['rows_agree']}/{m['rows_valid']} rows, "
+            f"{m.get('fp8_codes_off_by_one', 0)} codes +-1"
+        )
     else:
         rows = f"{m['rows_agree']}/{m['rows_valid']} rows <= 1 ulp"
-    text = (f"  {r.label:<32} {m['q_max_abs_diff']:9.2e}  "
-            f"{m['q_rel_nope']:.1e}/{m['q_rel_rope']:.1e}{'':<2}  "
-            f"{m.get('cache_rel', float('nan')):.1e}  {rows:<36}")
+    text = (
+        f"  {r.label:<32} {m['q_max_abs_diff']:9.2e}  "
+        f"{m['q_rel_nope']:.1e}/{m['q_rel_rope']:.1e}{'':<2}  "
+        f"{m.get('cache_rel', float('nan')):.1e}  {rows:<36}"
+    )
     if r.time_fused is not None and r.timing == "interpreter":
         text += f" {r.time_fused:.2f}s / {r.time_ref:.3f}s"
     elif r.time_fused is not None:
-        text += (f" {r.time_fused * 1e3:8.1f} {r.time_ref * 1e3:8.1f}"
-                 f"  x{r.time_ref / r.time_fused:.2f} ({r.timing})")
+        text += (
+            f" {r.time_fused * 1e3:8.1f} {r.time_ref * 1e3:8.1f}"
+            f"  x{r.time_ref / r.time_fused:.2f} ({r.timing})"
+        )
     text += "  OK" if r.comparison.ok else "  DISAGREE"
     return text
 
@@ -267,13 +288,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     dims_txt = ", ".join(f"{k}={v}" for k, v in dim_sets[0].items() if k != "H")
     heads = "/".join(str(d["H"]) for d in dim_sets)
-    print(f"torch {torch.__version__}, triton {triton.__version__}; bf16 activations, "
-          f"interleaved RoPE; H={heads}, {dims_txt}; seed {args.seed}; "
-          "~10% of tokens padded (slot -1)")
-    print("fused = fusemla.mla_prologue (one Triton launch per batch; 'Nd+Mp' = N decode + M "
-          "prefill tokens), ref = fusemla.mla_prologue_ref (unfused PyTorch)")
-    header = (f"  {'case':<32} {'q max|f-r|':>9}  {'q relL2 nope/rope':<17}  "
-              f"{'cacheL2':<7}  {'cache rows vs ref':<36}")
+    print(
+        f"torch {torch.__version__}, triton {triton.__version__}; bf16 activations, "
+        f"interleaved RoPE; H={heads}, {dims_txt}; seed {args.seed}; "
+        "~10% of tokens padded (slot -1)"
+    )
+    print(
+        "fused = fusemla.mla_prologue (one Triton launch per batch; 'Nd+Mp' = N decode + M "
+        "prefill tokens), ref = fusemla.mla_prologue_ref (unfused PyTorch)"
+    )
+    header = (
+        f"  {'case':<32} {'q max|f-r|':>9}  {'q relL2 nope/rope':<17}  "
+        f"{'cacheL2':<7}  {'cache rows vs ref':<36}"
+    )
     if device == "cuda":
         header += f" {'fused us':>8} {'ref us':>8}  speedup"
     else:
@@ -295,13 +322,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
                     traceback.print_exc()
                     kv_name = "bf16" if kv is None else "fp8e4m3"
-                    r = CaseResult(_label(dims["H"], B, kv_name, D),
-                                   Comparison(problems=[f"raised {type(exc).__name__}: {exc}"]))
+                    r = CaseResult(
+                        _label(dims["H"], B, kv_name, D),
+                        Comparison(problems=[f"raised {type(exc).__name__}: {exc}"]),
+                    )
                 results.append(r)
                 print(_format_row(r), flush=True)
 
-    print("layer: fusemla.MLAAttention, a few engine steps (decode-first mixed batches, shuffled "
-          "paged cache), fused vs unfused (MLAConfig(False, False)); attention in PyTorch")
+    print(
+        "layer: fusemla.MLAAttention, a few engine steps (decode-first mixed batches, shuffled "
+        "paged cache), fused vs unfused (MLAConfig(False, False)); attention in PyTorch"
+    )
     layer_problems = []
     from fusemla import demo_layer
 
@@ -317,23 +348,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     failed = [r for r in results if not r.comparison.ok]
     if device == "cuda":
-        print("timing: median per call (CUDA-graph replay where capture works, else eager "
-              f"incl. Python overhead); a glance only - {BENCH_SCRIPT} is the authoritative "
-              "measure")
+        print(
+            "timing: median per call (CUDA-graph replay where capture works, else eager "
+            f"incl. Python overhead); a glance only - {BENCH_SCRIPT} is the authoritative "
+            "measure"
+        )
     else:
-        print("timing: none - the interpreter's wall time says nothing about GPU speed; "
-              f"{BENCH_SCRIPT} on a GPU is the authoritative measure")
+        print(
+            "timing: none - the interpreter's wall time says nothing about GPU speed; "
+            f"{BENCH_SCRIPT} on a GPU is the authoritative measure"
+        )
     if failed or layer_problems:
-        print(f"DISAGREEMENT in {len(failed)} of {len(results)} prologue cases and "
-              f"{len(layer_problems)} layer steps:")
+        print(
+            f"DISAGREEMENT in {len(failed)} of {len(results)} prologue cases and "
+            f"{len(layer_problems)} layer steps:"
+        )
         for r in failed:
             for p in r.comparison.problems:
                 print(f"  {r.label}: {p}")
         for p in layer_problems:
             print(f"  {p}")
         return 1
-    print(f"all {len(results)} prologue cases agree: q within 1 ulp of the reference, cache rows "
-          "within 1 ulp (bf16) / 1 code (fp8), other rows untouched; every layer step agrees")
+    print(
+        f"all {len(results)} prologue cases agree: q within 1 ulp of the reference, cache rows "
+        "within 1 ulp (bf16) / 1 code (fp8), other rows untouched; every layer step agrees"
+    )
     return 0
 
 
@@ -344,14 +383,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fusemla", description="Fused MLA decode prologue for DeepSeek models.")
+        prog="fusemla", description="Fused MLA decode prologue for DeepSeek models."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser(
-        "demo", help="run the fused prologue against the reference and report agreement",
+        "demo",
+        help="run the fused prologue against the reference and report agreement",
         description="Fused vs unfused prologue: DeepSeek-V3 dims on a GPU, small dims through "
-                    "the Triton interpreter without one. Exit 0 if all agreed, 1 if not.")
-    demo.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                      help="auto: the GPU if there is one, else the CPU interpreter")
+        "the Triton interpreter without one. Exit 0 if all agreed, 1 if not.",
+    )
+    demo.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: the GPU if there is one, else the CPU interpreter",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed for the inputs")
     demo.set_defaults(func=cmd_demo)
     info = sub.add_parser("info", help="versions, the accelerator, the Triton mode")

@@ -138,8 +138,8 @@ def env_switch(name: str, default: bool) -> bool:
     value = _SWITCH_VALUES.get(raw.strip().lower())
     if value is None:
         raise FuseMLAValueError(
-            f"environment variable {name}: expected 1/true/yes/on or 0/false/no/off, "
-            f"got {raw!r}")
+            f"environment variable {name}: expected 1/true/yes/on or 0/false/no/off, got {raw!r}"
+        )
     return value
 
 
@@ -173,8 +173,8 @@ class MLAConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise FuseMLATypeError(
-                    f"{name}: expected None (read the environment) or a bool, "
-                    f"got {describe(value)}")
+                    f"{name}: expected None (read the environment) or a bool, got {describe(value)}"
+                )
 
     def resolve(self) -> tuple[bool, bool]:
         """The effective ``(fused_decode, fused_prefill)``; None fields read the environment now.

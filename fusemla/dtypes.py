@@ -35,10 +35,10 @@ class FP8Format:
 
 
 FP8_FORMATS: dict[torch.dtype, FP8Format] = {
-    torch.float8_e4m3fn: FP8Format(code=1, max=448.0, min_exp=-6, nan_byte=0x7F,
-                                   has_neg_zero=True),
-    torch.float8_e4m3fnuz: FP8Format(code=2, max=240.0, min_exp=-7, nan_byte=0x80,
-                                     has_neg_zero=False),
+    torch.float8_e4m3fn: FP8Format(code=1, max=448.0, min_exp=-6, nan_byte=0x7F, has_neg_zero=True),
+    torch.float8_e4m3fnuz: FP8Format(
+        code=2, max=240.0, min_exp=-7, nan_byte=0x80, has_neg_zero=False
+    ),
 }
 
 

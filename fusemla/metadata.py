@@ -59,8 +59,9 @@ def _int_tuple(name: str, x: object, *, minimum: int = 0) -> tuple[int, ...]:
     return tuple(_int(f"{name}[{i}]", v, minimum=minimum) for i, v in enumerate(x))
 
 
-def _tensor(name: str, x: object, dtype: torch.dtype, shape: tuple[int, ...], what: str
-            ) -> torch.Tensor:
+def _tensor(
+    name: str, x: object, dtype: torch.dtype, shape: tuple[int, ...], what: str
+) -> torch.Tensor:
     """Check type, dtype, shape and unit stride of the last dim (metadata only: no sync)."""
     if not isinstance(x, torch.Tensor):
         raise FuseMLATypeError(f"{name}: expected a torch.Tensor {what} {dtype}, got {describe(x)}")
@@ -79,8 +80,9 @@ def _hashable(name: str, x: object) -> None:
     try:
         hash(x)  # only to reject e.g. a tuple holding a list; never used for ordering or seeds
     except TypeError:
-        raise FuseMLATypeError(f"{name}: expected a hashable request id, got {describe(x)}"
-                               ) from None
+        raise FuseMLATypeError(
+            f"{name}: expected a hashable request id, got {describe(x)}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -130,16 +132,22 @@ class BatchMetadata:
         for name in ("num_decode_tokens", "num_prefill_tokens", "num_decodes", "num_prefills"):
             object.__setattr__(self, name, _int(name, getattr(self, name)))
         object.__setattr__(self, "block_size", _int("block_size", self.block_size, minimum=1))
-        object.__setattr__(self, "query_start_loc_cpu",
-                           _int_tuple("query_start_loc_cpu", self.query_start_loc_cpu))
+        object.__setattr__(
+            self, "query_start_loc_cpu", _int_tuple("query_start_loc_cpu", self.query_start_loc_cpu)
+        )
         object.__setattr__(self, "seq_lens_cpu", _int_tuple("seq_lens_cpu", self.seq_lens_cpu))
         if self.block_table_cpu is not None:
             rows = self.block_table_cpu
             if not isinstance(rows, (tuple, list)):
-                raise FuseMLATypeError(f"block_table_cpu: expected None or a tuple of rows "
-                                       f"(tuples of ints), got {describe(rows)}")
-            object.__setattr__(self, "block_table_cpu", tuple(
-                _int_tuple(f"block_table_cpu[{r}]", row) for r, row in enumerate(rows)))
+                raise FuseMLATypeError(
+                    f"block_table_cpu: expected None or a tuple of rows "
+                    f"(tuples of ints), got {describe(rows)}"
+                )
+            object.__setattr__(
+                self,
+                "block_table_cpu",
+                tuple(_int_tuple(f"block_table_cpu[{r}]", row) for r, row in enumerate(rows)),
+            )
         self.validate()
 
     # ------------------------------------------------------------------------- derived values
@@ -214,57 +222,80 @@ class BatchMetadata:
 
         # Host copies: query_start_loc_cpu.
         if len(qsl) != R + 1:
-            raise FuseMLAValueError(f"query_start_loc_cpu: expected num_reqs + 1 = {R + 1} "
-                                    f"entries (num_reqs = len(seq_lens_cpu) = {R}), got "
-                                    f"{len(qsl)}: {qsl}")
+            raise FuseMLAValueError(
+                f"query_start_loc_cpu: expected num_reqs + 1 = {R + 1} "
+                f"entries (num_reqs = len(seq_lens_cpu) = {R}), got "
+                f"{len(qsl)}: {qsl}"
+            )
         if qsl[0] != 0:
             raise FuseMLAValueError(f"query_start_loc_cpu: expected to start at 0, got {qsl}")
         for r in range(R):
             if qsl[r + 1] < qsl[r]:
-                raise FuseMLAValueError(f"query_start_loc_cpu: expected non-decreasing entries, "
-                                        f"got {qsl[r]} then {qsl[r + 1]} at index {r}: {qsl}")
+                raise FuseMLAValueError(
+                    f"query_start_loc_cpu: expected non-decreasing entries, "
+                    f"got {qsl[r]} then {qsl[r + 1]} at index {r}: {qsl}"
+                )
         if qsl[-1] != T:
-            raise FuseMLAValueError(f"query_start_loc_cpu: expected to end at num_tokens = "
-                                    f"num_decode_tokens + num_prefill_tokens = {D} + "
-                                    f"{num_prefill_tokens} = {T}, got {qsl[-1]}")
+            raise FuseMLAValueError(
+                f"query_start_loc_cpu: expected to end at num_tokens = "
+                f"num_decode_tokens + num_prefill_tokens = {D} + "
+                f"{num_prefill_tokens} = {T}, got {qsl[-1]}"
+            )
 
         # Decode / prefill split.
         if num_decodes > R:
             raise FuseMLAValueError(f"num_decodes: expected <= num_reqs = {R}, got {num_decodes}")
         if num_decodes != D:
-            raise FuseMLAValueError(f"num_decodes: expected == num_decode_tokens = {D} (one token "
-                                    f"per decode request), got {num_decodes}")
+            raise FuseMLAValueError(
+                f"num_decodes: expected == num_decode_tokens = {D} (one token "
+                f"per decode request), got {num_decodes}"
+            )
         if num_prefills != R - num_decodes:
-            raise FuseMLAValueError(f"num_prefills: expected num_reqs - num_decodes = {R} - "
-                                    f"{num_decodes} = {R - num_decodes}, got {num_prefills}")
+            raise FuseMLAValueError(
+                f"num_prefills: expected num_reqs - num_decodes = {R} - "
+                f"{num_decodes} = {R - num_decodes}, got {num_prefills}"
+            )
         for r in range(R):
             q_len = qsl[r + 1] - qsl[r]
             if r < num_decodes and q_len != 1:
-                raise FuseMLAValueError(f"query_start_loc_cpu: expected query length 1 for decode "
-                                        f"request {r} (num_decodes = {num_decodes}), got {q_len}")
+                raise FuseMLAValueError(
+                    f"query_start_loc_cpu: expected query length 1 for decode "
+                    f"request {r} (num_decodes = {num_decodes}), got {q_len}"
+                )
             if r >= num_decodes and q_len < 1:
-                raise FuseMLAValueError(f"query_start_loc_cpu: expected query length >= 1 for "
-                                        f"prefill request {r}, got {q_len}")
+                raise FuseMLAValueError(
+                    f"query_start_loc_cpu: expected query length >= 1 for "
+                    f"prefill request {r}, got {q_len}"
+                )
             if seq_lens[r] == 0 and r < num_decodes:
                 continue  # a padding request
             if seq_lens[r] < q_len:
-                pad = " (seq_len 0 marks padding, allowed only among decodes)" if (
-                    seq_lens[r] == 0) else ""
-                raise FuseMLAValueError(f"seq_lens_cpu: expected seq_len >= query length "
-                                        f"{q_len} for request {r}, got {seq_lens[r]}{pad}")
+                pad = (
+                    " (seq_len 0 marks padding, allowed only among decodes)"
+                    if (seq_lens[r] == 0)
+                    else ""
+                )
+                raise FuseMLAValueError(
+                    f"seq_lens_cpu: expected seq_len >= query length "
+                    f"{q_len} for request {r}, got {seq_lens[r]}{pad}"
+                )
         max_seq_len = max(seq_lens, default=0)
 
         # Tensors: metadata only (type, dtype, shape, stride, device).
-        qsl_t = _tensor("query_start_loc", self.query_start_loc, torch.int32, (R + 1,),
-                        "[num_reqs + 1]")
+        qsl_t = _tensor(
+            "query_start_loc", self.query_start_loc, torch.int32, (R + 1,), "[num_reqs + 1]"
+        )
         _tensor("seq_lens", self.seq_lens, torch.int32, (R,), "[num_reqs]")
         bt = self.block_table
         if not isinstance(bt, torch.Tensor):
-            raise FuseMLATypeError(f"block_table: expected a torch.Tensor [num_reqs, max_blocks] "
-                                   f"int32, got {describe(bt)}")
+            raise FuseMLATypeError(
+                f"block_table: expected a torch.Tensor [num_reqs, max_blocks] "
+                f"int32, got {describe(bt)}"
+            )
         if bt.dim() != 2:
-            raise FuseMLAValueError(f"block_table: expected a [num_reqs, max_blocks] int32 "
-                                    f"tensor, got {describe(bt)}")
+            raise FuseMLAValueError(
+                f"block_table: expected a [num_reqs, max_blocks] int32 tensor, got {describe(bt)}"
+            )
         max_blocks = bt.shape[1]
         _tensor("block_table", bt, torch.int32, (R, max_blocks), "[num_reqs, max_blocks]")
         _tensor("slot_mapping", self.slot_mapping, torch.int64, (T,), "[num_tokens]")
@@ -272,48 +303,60 @@ class BatchMetadata:
         for name in ("seq_lens", "block_table", "slot_mapping", "positions"):
             t = getattr(self, name)
             if t.device != qsl_t.device:
-                raise FuseMLATypeError(f"{name}: expected device {qsl_t.device} (that of "
-                                       f"query_start_loc), got {describe(t)}")
+                raise FuseMLATypeError(
+                    f"{name}: expected device {qsl_t.device} (that of "
+                    f"query_start_loc), got {describe(t)}"
+                )
         for name in ("query_start_loc", "seq_lens", "slot_mapping", "positions"):
             t = getattr(self, name)
             if not t.is_contiguous():
                 raise FuseMLAValueError(f"{name}: expected a contiguous tensor, got {describe(t)}")
         if max_blocks * bs < max_seq_len:
-            raise FuseMLAValueError(f"block_table: expected max_blocks * block_size >= max_seq_len "
-                                    f"= {max_seq_len}, i.e. max_blocks >= "
-                                    f"{math.ceil(max_seq_len / bs)} at block_size {bs}, got "
-                                    f"{describe(bt)}")
+            raise FuseMLAValueError(
+                f"block_table: expected max_blocks * block_size >= max_seq_len "
+                f"= {max_seq_len}, i.e. max_blocks >= "
+                f"{math.ceil(max_seq_len / bs)} at block_size {bs}, got "
+                f"{describe(bt)}"
+            )
 
         # Optional host copy of the block table.
         rows = self.block_table_cpu
         if rows is not None:
             if not isinstance(rows, tuple) or len(rows) != R:
-                raise FuseMLAValueError(f"block_table_cpu: expected None or num_reqs = {R} rows, "
-                                        f"got {describe(rows)}")
+                raise FuseMLAValueError(
+                    f"block_table_cpu: expected None or num_reqs = {R} rows, got {describe(rows)}"
+                )
             for r, row in enumerate(rows):
                 row = _int_tuple(f"block_table_cpu[{r}]", row)
                 if len(row) != max_blocks:
-                    raise FuseMLAValueError(f"block_table_cpu[{r}]: expected max_blocks = "
-                                            f"{max_blocks} entries (block_table.shape[1]), got "
-                                            f"{len(row)}")
+                    raise FuseMLAValueError(
+                        f"block_table_cpu[{r}]: expected max_blocks = "
+                        f"{max_blocks} entries (block_table.shape[1]), got "
+                        f"{len(row)}"
+                    )
 
         if num_slots is None:
             return
         num_slots = _int("num_slots", num_slots, minimum=1)
         if num_slots % bs:
-            raise FuseMLAValueError(f"num_slots: expected num_blocks * block_size, a multiple of "
-                                    f"block_size = {bs}, got {num_slots}")
+            raise FuseMLAValueError(
+                f"num_slots: expected num_blocks * block_size, a multiple of "
+                f"block_size = {bs}, got {num_slots}"
+            )
         num_blocks = num_slots // bs
         if max_seq_len > num_slots:
-            raise FuseMLAValueError(f"num_slots: expected >= max_seq_len = {max_seq_len} (the "
-                                    f"longest request must fit in the cache), got {num_slots}")
+            raise FuseMLAValueError(
+                f"num_slots: expected >= max_seq_len = {max_seq_len} (the "
+                f"longest request must fit in the cache), got {num_slots}"
+            )
         if rows is not None:
             for r, row in enumerate(rows):
                 for j, block in enumerate(row):
                     if block >= num_blocks:
                         raise FuseMLAValueError(
                             f"block_table_cpu[{r}][{j}]: expected a block id < num_blocks = "
-                            f"num_slots // block_size = {num_blocks}, got {block}")
+                            f"num_slots // block_size = {num_blocks}, got {block}"
+                        )
 
     # ------------------------------------------------------------------------- moves
 
@@ -358,8 +401,9 @@ class BlockAllocator:
     holding its positions ``[j * block_size, (j + 1) * block_size)``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, seed: int = 0, shuffle: bool = True
+    ) -> None:
         self._num_blocks = _int("num_blocks", num_blocks, minimum=1)
         self._block_size = _int("block_size", block_size, minimum=1)
         seed = _int("seed", seed)
@@ -414,7 +458,8 @@ class BlockAllocator:
             raise FuseMLAValueError(
                 f"num_tokens: out of blocks: request {request_id!r} needs {need} more block(s) "
                 f"of {self._block_size} to hold num_tokens = {num_tokens}, but only "
-                f"{len(self._free)} of {self._num_blocks} are free")
+                f"{len(self._free)} of {self._num_blocks} are free"
+            )
         blocks = self._blocks.setdefault(request_id, [])
         blocks.extend(self._free.popleft() for _ in range(need))
         return list(blocks)
@@ -423,9 +468,11 @@ class BlockAllocator:
         """Return all of the request's blocks to the back of the free queue."""
         _hashable("request_id", request_id)
         if request_id not in self._blocks:
-            raise FuseMLAValueError(f"request_id: expected a request that owns blocks "
-                                    f"(allocated by ensure and not yet freed), got "
-                                    f"{request_id!r}")
+            raise FuseMLAValueError(
+                f"request_id: expected a request that owns blocks "
+                f"(allocated by ensure and not yet freed), got "
+                f"{request_id!r}"
+            )
         self._free.extend(self._blocks.pop(request_id))
 
     def slot(self, request_id: Hashable, position: int) -> int:
@@ -434,8 +481,10 @@ class BlockAllocator:
         position = _int("position", position)
         capacity = len(blocks) * self._block_size
         if position >= capacity:
-            raise FuseMLAValueError(f"position: expected < {capacity} (the {len(blocks)} "
-                                    f"block(s) of request {request_id!r}), got {position}")
+            raise FuseMLAValueError(
+                f"position: expected < {capacity} (the {len(blocks)} "
+                f"block(s) of request {request_id!r}), got {position}"
+            )
         block, offset = divmod(position, self._block_size)
         return blocks[block] * self._block_size + offset
 
@@ -461,14 +510,18 @@ class RequestStep:
     def __post_init__(self) -> None:
         _hashable("request_id", self.request_id)
         object.__setattr__(self, "context_len", _int("context_len", self.context_len))
-        object.__setattr__(self, "num_new_tokens",
-                           _int("num_new_tokens", self.num_new_tokens, minimum=1))
+        object.__setattr__(
+            self, "num_new_tokens", _int("num_new_tokens", self.num_new_tokens, minimum=1)
+        )
         if self.is_decode is not None and not isinstance(self.is_decode, bool):
-            raise FuseMLATypeError(f"is_decode: expected None or a bool, "
-                                   f"got {describe(self.is_decode)}")
+            raise FuseMLATypeError(
+                f"is_decode: expected None or a bool, got {describe(self.is_decode)}"
+            )
         if self.is_decode and self.num_new_tokens != 1:
-            raise FuseMLAValueError(f"num_new_tokens: expected 1 for a decode step "
-                                    f"(is_decode=True), got {self.num_new_tokens}")
+            raise FuseMLAValueError(
+                f"num_new_tokens: expected 1 for a decode step "
+                f"(is_decode=True), got {self.num_new_tokens}"
+            )
 
 
 def _is_decode(step: RequestStep) -> bool:
@@ -477,9 +530,14 @@ def _is_decode(step: RequestStep) -> bool:
     return step.num_new_tokens == 1 and step.context_len > 0
 
 
-def build_metadata(steps: Sequence[RequestStep], allocator: BlockAllocator, *,
-                   device: str | torch.device = "cpu", pad_decodes_to: int | None = None,
-                   max_blocks: int | None = None) -> tuple[BatchMetadata, list[int]]:
+def build_metadata(
+    steps: Sequence[RequestStep],
+    allocator: BlockAllocator,
+    *,
+    device: str | torch.device = "cpu",
+    pad_decodes_to: int | None = None,
+    max_blocks: int | None = None,
+) -> tuple[BatchMetadata, list[int]]:
     """Allocate cache blocks for one step and build its :class:`BatchMetadata`.
 
     Requests are ordered decode-first, stably (decodes in the given order, then prefills in the
@@ -505,8 +563,10 @@ def build_metadata(steps: Sequence[RequestStep], allocator: BlockAllocator, *,
     seen: dict[object, int] = {}
     for i, s in enumerate(steps):
         if s.request_id in seen:
-            raise FuseMLAValueError(f"steps[{i}]: expected unique request ids, got request_id "
-                                    f"{s.request_id!r} again (also steps[{seen[s.request_id]}])")
+            raise FuseMLAValueError(
+                f"steps[{i}]: expected unique request ids, got request_id "
+                f"{s.request_id!r} again (also steps[{seen[s.request_id]}])"
+            )
         seen[s.request_id] = i
     bs = allocator.block_size
 
@@ -516,31 +576,41 @@ def build_metadata(steps: Sequence[RequestStep], allocator: BlockAllocator, *,
     if pad_decodes_to is not None:
         pad_decodes_to = _int("pad_decodes_to", pad_decodes_to)
         if pad_decodes_to < len(decode_idx):
-            raise FuseMLAValueError(f"pad_decodes_to: expected >= the number of decode requests "
-                                    f"= {len(decode_idx)}, got {pad_decodes_to}")
+            raise FuseMLAValueError(
+                f"pad_decodes_to: expected >= the number of decode requests "
+                f"= {len(decode_idx)}, got {pad_decodes_to}"
+            )
         num_pad = pad_decodes_to - len(decode_idx)
     order = decode_idx + [PADDING_ROW] * num_pad + prefill_idx
 
     # Widths first: a too-narrow max_blocks must fail before anything is allocated.
-    seq_lens = [0 if i == PADDING_ROW else steps[i].context_len + steps[i].num_new_tokens
-                for i in order]
+    seq_lens = [
+        0 if i == PADDING_ROW else steps[i].context_len + steps[i].num_new_tokens for i in order
+    ]
     needed_width = max((math.ceil(s / bs) for s in seq_lens), default=0)
     if max_blocks is None:
         width = max(needed_width, 1)
     else:
         width = _int("max_blocks", max_blocks)
         if width < needed_width:
-            raise FuseMLAValueError(f"max_blocks: expected >= {needed_width} (the longest "
-                                    f"request, seq_len {max(seq_lens)}, at block_size {bs}), "
-                                    f"got {width}")
+            raise FuseMLAValueError(
+                f"max_blocks: expected >= {needed_width} (the longest "
+                f"request, seq_len {max(seq_lens)}, at block_size {bs}), "
+                f"got {width}"
+            )
 
     # All-or-nothing allocation.
-    total = sum(allocator._blocks_needed(steps[i].request_id, seq_lens[r])
-                for r, i in enumerate(order) if i != PADDING_ROW)
+    total = sum(
+        allocator._blocks_needed(steps[i].request_id, seq_lens[r])
+        for r, i in enumerate(order)
+        if i != PADDING_ROW
+    )
     if total > allocator.num_free:
-        raise FuseMLAValueError(f"steps: out of blocks: the step needs {total} more block(s) of "
-                                f"{bs}, but only {allocator.num_free} of {allocator.num_blocks} "
-                                f"are free")
+        raise FuseMLAValueError(
+            f"steps: out of blocks: the step needs {total} more block(s) of "
+            f"{bs}, but only {allocator.num_free} of {allocator.num_blocks} "
+            f"are free"
+        )
 
     qsl = [0]
     block_rows: list[tuple[int, ...]] = []
@@ -555,7 +625,7 @@ def build_metadata(steps: Sequence[RequestStep], allocator: BlockAllocator, *,
             continue
         s = steps[i]
         blocks = allocator.ensure(s.request_id, seq_lens[r])
-        used = blocks[:math.ceil(seq_lens[r] / bs)]
+        used = blocks[: math.ceil(seq_lens[r] / bs)]
         block_rows.append(tuple(used) + (0,) * (width - len(used)))
         for p in range(s.context_len, seq_lens[r]):
             block, offset = divmod(p, bs)

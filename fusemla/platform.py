@@ -109,31 +109,36 @@ def _normalize_arch(backend: str, arch: object) -> str | None:
     if backend in ("interpreter", "cpu"):
         if arch is not None:
             raise FuseMLAValueError(
-                f"arch: expected None for backend {backend!r} (no GPU), got {arch!r}")
+                f"arch: expected None for backend {backend!r} (no GPU), got {arch!r}"
+            )
         return None
     if not isinstance(arch, str):
         example = "'sm_90'" if backend == "cuda" else "'gfx942'"
         raise FuseMLAValueError(
-            f"arch: backend {backend!r} needs an architecture name like {example}, got {arch!r}")
+            f"arch: backend {backend!r} needs an architecture name like {example}, got {arch!r}"
+        )
     name = arch.strip().lower()
     if backend == "cuda":
         cap = _sm_capability(name)
         if cap is None or cap[0] < 1:
             raise FuseMLAValueError(
                 f"arch: expected an NVIDIA architecture 'sm_<major><minor>' such as 'sm_90' or "
-                f"'sm_100a' for backend 'cuda', got {arch!r}")
+                f"'sm_100a' for backend 'cuda', got {arch!r}"
+            )
         return name
     # rocm: accept the full gcnArchName ("gfx942:sramecc+:xnack-") and keep the base name
     name = name.split(":", 1)[0]
     if _GFX_RE.fullmatch(name) is None:
         raise FuseMLAValueError(
             f"arch: expected an AMD architecture 'gfx...' such as 'gfx942' or 'gfx950' for "
-            f"backend 'rocm', got {arch!r}")
+            f"backend 'rocm', got {arch!r}"
+        )
     return name
 
 
-def platform_from(backend: str, arch: str | None = None,
-                  device_name: str | None = None) -> PlatformInfo:
+def platform_from(
+    backend: str, arch: str | None = None, device_name: str | None = None
+) -> PlatformInfo:
     """A :class:`PlatformInfo` derived from ``backend`` and ``arch`` alone (no device queries).
 
     Args:
@@ -157,7 +162,8 @@ def platform_from(backend: str, arch: str | None = None,
         raise FuseMLAValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if device_name is not None and not isinstance(device_name, str):
         raise FuseMLATypeError(
-            f"device_name: expected a str or None, got {type(device_name).__name__}")
+            f"device_name: expected a str or None, got {type(device_name).__name__}"
+        )
     name = _normalize_arch(be, arch)
 
     fp8_dtype = torch.float8_e4m3fn
@@ -192,7 +198,8 @@ def _device_index(device: torch.device | str | int | None) -> int | None:
         return torch.cuda.current_device() if torch.cuda.is_available() else None
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise FuseMLATypeError(
-            f"device: expected a torch.device, str, int or None, got {type(device).__name__}")
+            f"device: expected a torch.device, str, int or None, got {type(device).__name__}"
+        )
     if isinstance(device, int):  # a GPU index, as torch.cuda takes it
         device = f"cuda:{device}" if device >= 0 else str(device)
     try:
@@ -203,7 +210,8 @@ def _device_index(device: torch.device | str | int | None) -> int | None:
         return None
     if dev.type != "cuda":
         raise FuseMLAValueError(
-            f"device: expected a CPU or CUDA/ROCm ('cuda') device, got {str(dev)!r}")
+            f"device: expected a CPU or CUDA/ROCm ('cuda') device, got {str(dev)!r}"
+        )
     if not torch.cuda.is_available():
         raise FuseMLAValueError(f"device: {str(dev)!r}, but torch sees no CUDA/ROCm GPU")
     index = torch.cuda.current_device() if dev.index is None else dev.index
@@ -222,7 +230,8 @@ def _gpu_platform(index: int) -> PlatformInfo:
         if not gcn.strip():
             raise FuseMLAError(
                 f"cannot tell the architecture of ROCm device {index}: torch reports no "
-                "gcnArchName (a torch build from before 2.1?)")
+                "gcnArchName (a torch build from before 2.1?)"
+            )
         name = getattr(props, "name", None) or torch.cuda.get_device_name(index)
         return platform_from("rocm", gcn, str(name))
     major, minor = torch.cuda.get_device_capability(index)
@@ -296,11 +305,14 @@ def choose_mxfp4_path(info: PlatformInfo) -> str:
         if info.backend == "cpu":
             why = "the PyTorch fallback runs no Triton kernel"
         else:
-            why = ("it has no hardware FP4 (MX) dots; those need compute capability >= 10.0 "
-                   "(Blackwell) or gfx950")
+            why = (
+                "it has no hardware FP4 (MX) dots; those need compute capability >= 10.0 "
+                "(Blackwell) or gfx950"
+            )
         raise FuseMLAValueError(
             f"environment variable {config.MXFP4_PATH_ENV}=dot_scaled cannot be used on "
-            f"{where}: {why}. Unset it or set it to 'dequant'")
+            f"{where}: {why}. Unset it or set it to 'dequant'"
+        )
     return mode
 
 
@@ -328,9 +340,14 @@ def mxfp4_tiles_fit(P: int, L: int, block_l: int) -> bool:
     return P >= 32 and P & (P - 1) == 0 and L % block_l == 0
 
 
-def choose_prologue_variant(info: PlatformInfo, *, weight_format: str,
-                            P: int | None = None, L: int | None = None,
-                            block_l: int | None = None) -> PrologueVariant:
+def choose_prologue_variant(
+    info: PlatformInfo,
+    *,
+    weight_format: str,
+    P: int | None = None,
+    L: int | None = None,
+    block_l: int | None = None,
+) -> PrologueVariant:
     """The prologue kernel variant for ``info`` and a weight format (the same for any batch).
 
     Plain and FP8 weights have one variant each (FP8 weights are upcast to the activations'
@@ -347,14 +364,16 @@ def choose_prologue_variant(info: PlatformInfo, *, weight_format: str,
         return PrologueVariant(weight_format, None)
     if weight_format != "mxfp4":
         raise FuseMLAValueError(
-            f"weight_format: expected 'plain', 'fp8' or 'mxfp4', got {weight_format!r}")
+            f"weight_format: expected 'plain', 'fp8' or 'mxfp4', got {weight_format!r}"
+        )
     path = choose_mxfp4_path(info)
     if path == "dot_scaled" and None not in (P, L, block_l) and not mxfp4_tiles_fit(P, L, block_l):
         if config.mxfp4_path_mode() == "dot_scaled":
             raise FuseMLAValueError(
                 f"environment variable {config.MXFP4_PATH_ENV}=dot_scaled cannot run with "
                 f"P={P}, L={L} and tile BLOCK_L={block_l}: tl.dot_scaled needs P a power of two "
-                ">= 32 and L a multiple of BLOCK_L. Unset it or set it to 'dequant'")
+                ">= 32 and L a multiple of BLOCK_L. Unset it or set it to 'dequant'"
+            )
         path = "dequant"
     return PrologueVariant("mxfp4", path)
 
@@ -391,7 +410,8 @@ def choose_pdl(info: PlatformInfo) -> bool:
         raise FuseMLAValueError(
             f"environment variable {config.PDL_ENV}=on cannot be used on {where}: programmatic "
             "dependent launch needs an NVIDIA GPU of compute capability >= 9.0 and Triton >= 3.4. "
-            "Unset it or set it to 'off'")
+            "Unset it or set it to 'off'"
+        )
     return ok
 
 
@@ -437,18 +457,23 @@ def report_lines(info: PlatformInfo) -> list[str]:
     lines = [
         f"platform: {info.backend}, {where}, {device} - {what}",
         f"  FP8 dtype: {dtype_name}",
-        (f"  native FP8 dots: {_yes(info.native_fp8)}{fp8_note}; "
-         f"native FP4 (MX) dots: {_yes(info.native_fp4)}"),
-        ("  FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers, or with "
-         "act_quant='fp8' an FP8 x FP8 dot; read fastest K-major (quantize_fp8_weight's default)"),
-        ("  speed: on the H200, FP8 weights took 0.93-1.02x the bf16-weight prologue time at "
-         "B <= 64 and up to 1.16x at B = 512 (0.5.0), MXFP4 (dequant) 1.4-5.7x (0.3.0): pick a "
-         "weight format for memory, not prologue speed (README, 'FP8 absorbed BMM')"),
+        (
+            f"  native FP8 dots: {_yes(info.native_fp8)}{fp8_note}; "
+            f"native FP4 (MX) dots: {_yes(info.native_fp4)}"
+        ),
+        (
+            "  FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers, or with "
+            "act_quant='fp8' an FP8 x FP8 dot; read fastest K-major (quantize_fp8_weight's default)"
+        ),
+        (
+            "  speed: on the H200, FP8 weights took 0.93-1.02x the bf16-weight prologue time at "
+            "B <= 64 and up to 1.16x at B = 512 (0.5.0), MXFP4 (dequant) 1.4-5.7x (0.3.0): pick a "
+            "weight format for memory, not prologue speed (README, 'FP8 absorbed BMM')"
+        ),
     ]
     dims = dict(P=128, L=512, block_l=128)  # DeepSeek-V3
     try:
-        path = choose_prologue_variant(info, weight_format="mxfp4",
-                                       **dims).mxfp4_path
+        path = choose_prologue_variant(info, weight_format="mxfp4", **dims).mxfp4_path
     except FuseMLAValueError as exc:
         path = f"error: {exc}"
     lines.append(f"  MXFP4 weights: {path}")
@@ -459,8 +484,14 @@ def report_lines(info: PlatformInfo) -> list[str]:
         pdl = f"error: {exc}"
     lines.append(f"  programmatic dependent launch: {pdl}")
     lines.append("  env: " + _env_line(config.PDL_ENV, config.pdl_mode))
-    lines.append("  env: " + _env_line(config.FUSED_DECODE_ENV, config.fused_decode)
-                 + " (MLAAttention: fused decode prologue)")
-    lines.append("  env: " + _env_line(config.FUSED_PREFILL_ENV, config.fused_prefill)
-                 + " (MLAAttention: fused prefill prologue)")
+    lines.append(
+        "  env: "
+        + _env_line(config.FUSED_DECODE_ENV, config.fused_decode)
+        + " (MLAAttention: fused decode prologue)"
+    )
+    lines.append(
+        "  env: "
+        + _env_line(config.FUSED_PREFILL_ENV, config.fused_prefill)
+        + " (MLAAttention: fused prefill prologue)"
+    )
     return lines

@@ -117,8 +117,9 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, str):
-            raise FuseMLATypeError(f"format: expected a str ('fp8' or 'mxfp4'), "
-                                   f"got {describe(self.format)}")
+            raise FuseMLATypeError(
+                f"format: expected a str ('fp8' or 'mxfp4'), got {describe(self.format)}"
+            )
         if self.format not in FORMATS:
             raise FuseMLAValueError(f"format: expected 'fp8' or 'mxfp4', got {self.format!r}")
         data = _tensor("data", self.data)
@@ -129,31 +130,43 @@ class QuantizedWeight:
             _dtype("scale", scale, (torch.float32,))
             H = data.shape[0]
             if scale.shape not in ((1,), (H,)):
-                raise FuseMLAValueError(f"scale: expected shape [1] (per tensor) or [H={H}] "
-                                        f"(per head), got {describe(scale)}")
+                raise FuseMLAValueError(
+                    f"scale: expected shape [1] (per tensor) or [H={H}] "
+                    f"(per head), got {describe(scale)}"
+                )
         else:
             _dtype("data", data, (torch.uint8,))
             _rank("data", data, 3, "[H, P // 2, L]")
             _dtype("scale", scale, (torch.uint8,))
             H, half, L = data.shape
             if (2 * half) % MX_BLOCK:
-                raise FuseMLAValueError(f"data: expected [H, P // 2, L] with P = 2 * "
-                                        f"data.shape[1] a multiple of {MX_BLOCK}, got P = "
-                                        f"{2 * half} from {describe(data)}")
+                raise FuseMLAValueError(
+                    f"data: expected [H, P // 2, L] with P = 2 * "
+                    f"data.shape[1] a multiple of {MX_BLOCK}, got P = "
+                    f"{2 * half} from {describe(data)}"
+                )
             expected = (H, 2 * half // MX_BLOCK, L)
             if tuple(scale.shape) != expected:
-                raise FuseMLAValueError(f"scale: expected shape [H, P // 32, L] = "
-                                        f"{list(expected)}, got {describe(scale)}")
+                raise FuseMLAValueError(
+                    f"scale: expected shape [H, P // 32, L] = "
+                    f"{list(expected)}, got {describe(scale)}"
+                )
         if not (data.is_contiguous() or (self.format == "fp8" and _k_major(data))):
             raise FuseMLAValueError(
                 "data: expected a contiguous tensor"
-                + (" or a K-major one (data.transpose(1, 2) contiguous)"
-                   if self.format == "fp8" else "") + f", got {describe(data)}")
+                + (
+                    " or a K-major one (data.transpose(1, 2) contiguous)"
+                    if self.format == "fp8"
+                    else ""
+                )
+                + f", got {describe(data)}"
+            )
         if not scale.is_contiguous():
             raise FuseMLAValueError(f"scale: expected a contiguous tensor, got {describe(scale)}")
         if scale.device != data.device:
-            raise FuseMLATypeError(f"scale: expected device {data.device} (that of data), "
-                                   f"got {describe(scale)}")
+            raise FuseMLATypeError(
+                f"scale: expected device {data.device} (that of data), got {describe(scale)}"
+            )
 
     @property
     def H(self) -> int:
@@ -210,8 +223,13 @@ class QuantizedWeight:
 # ----------------------------------------------------------------------------- fp8
 
 
-def quantize_fp8_weight(w_uk_t: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn,
-                        per_head: bool = False, k_major: bool = True) -> QuantizedWeight:
+def quantize_fp8_weight(
+    w_uk_t: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    per_head: bool = False,
+    k_major: bool = True,
+) -> QuantizedWeight:
     """Symmetric FP8 quantization of ``w_uk_t`` ``[H, P, L]`` (bf16, fp16 or fp32).
 
     ``scale = amax / fmax`` over the tensor (``[1]``) or each head (``[H]``, ``per_head=True``),
@@ -286,8 +304,9 @@ def quantize_mxfp4_weight(w_uk_t: torch.Tensor) -> QuantizedWeight:
     _rank("w_uk_t", w, 3, "[H, P, L]")
     H, P, L = w.shape
     if P % MX_BLOCK:
-        raise FuseMLAValueError(f"w_uk_t: expected P (dim 1) a multiple of {MX_BLOCK} for "
-                                f"mxfp4, got {describe(w)}")
+        raise FuseMLAValueError(
+            f"w_uk_t: expected P (dim 1) a multiple of {MX_BLOCK} for mxfp4, got {describe(w)}"
+        )
     _finite("w_uk_t", w)
     blocks = w.float().reshape(H, P // MX_BLOCK, MX_BLOCK, L)
     amax = blocks.abs().amax(dim=2)  # [H, P // 32, L]
@@ -321,8 +340,9 @@ def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def split_kv_b_proj(kv_b_proj_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
-                    v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_b_proj(
+    kv_b_proj_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split DeepSeek's ``kv_b_proj`` weight ``[H * (P + V), L]`` into ``(W_UK_T, W_UV)``.
 
     The weight is viewed as ``[H, P + V, L]``; ``W_UK_T = [:, :P, :]`` ``[H, P, L]`` and
@@ -332,21 +352,26 @@ def split_kv_b_proj(kv_b_proj_weight: torch.Tensor, num_heads: int, qk_nope_head
     """
     w = _tensor("kv_b_proj_weight", kv_b_proj_weight)
     if w.dtype in FP8_DTYPES:
-        raise FuseMLATypeError(f"kv_b_proj_weight: expected dtype bf16, fp16 or fp32 (dequantize "
-                               f"an FP8 checkpoint with dequantize_block_fp8), got {describe(w)}")
+        raise FuseMLATypeError(
+            f"kv_b_proj_weight: expected dtype bf16, fp16 or fp32 (dequantize "
+            f"an FP8 checkpoint with dequantize_block_fp8), got {describe(w)}"
+        )
     _dtype("kv_b_proj_weight", w, FLOAT_DTYPES)
     H = _pos_int("num_heads", num_heads)
     P = _pos_int("qk_nope_head_dim", qk_nope_head_dim)
     V = _pos_int("v_head_dim", v_head_dim)
     if w.dim() != 2 or w.shape[0] != H * (P + V) or w.shape[1] == 0:
-        raise FuseMLAValueError(f"kv_b_proj_weight: expected shape [num_heads * (qk_nope_head_dim "
-                                f"+ v_head_dim), L] = [{H * (P + V)}, L], got {describe(w)}")
+        raise FuseMLAValueError(
+            f"kv_b_proj_weight: expected shape [num_heads * (qk_nope_head_dim "
+            f"+ v_head_dim), L] = [{H * (P + V)}, L], got {describe(w)}"
+        )
     w3 = w.view(H, P + V, w.shape[1]) if w.is_contiguous() else w.reshape(H, P + V, -1)
     return w3[:, :P, :].contiguous(), w3[:, P:, :].transpose(1, 2).contiguous()
 
 
-def dequantize_block_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def dequantize_block_fp8(
+    weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """The real fp32 ``[N, K]`` weight of a DeepSeek-V3 block-FP8 checkpoint tensor.
 
     ``weight``: ``[N, K]`` float8_e4m3fn (or e4m3fnuz); ``weight_scale_inv``: ``[ceil(N / bn),
@@ -358,20 +383,27 @@ def dequantize_block_fp8(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
     _dtype("weight", w, FP8_DTYPES)
     _dtype("weight_scale_inv", s, FLOAT_DTYPES)
     _rank("weight", w, 2, "[N, K]")
-    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
-            or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)):
-        raise FuseMLAValueError(f"block_size: expected two positive ints (bn, bk), "
-                                f"got {describe(block_size)}")
+    if (
+        not isinstance(block_size, (tuple, list))
+        or len(block_size) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)
+    ):
+        raise FuseMLAValueError(
+            f"block_size: expected two positive ints (bn, bk), got {describe(block_size)}"
+        )
     bn, bk = block_size
     N, K = w.shape
     expected = (-(-N // bn), -(-K // bk))
     if tuple(s.shape) != expected:
-        raise FuseMLAValueError(f"weight_scale_inv: expected shape [ceil(N / {bn}), ceil(K / "
-                                f"{bk})] = {list(expected)} for weight [{N}, {K}], "
-                                f"got {describe(s)}")
+        raise FuseMLAValueError(
+            f"weight_scale_inv: expected shape [ceil(N / {bn}), ceil(K / "
+            f"{bk})] = {list(expected)} for weight [{N}, {K}], "
+            f"got {describe(s)}"
+        )
     if s.device != w.device:
-        raise FuseMLATypeError(f"weight_scale_inv: expected device {w.device} (that of weight), "
-                               f"got {describe(s)}")
+        raise FuseMLATypeError(
+            f"weight_scale_inv: expected device {w.device} (that of weight), got {describe(s)}"
+        )
     full = s.float().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]
     return w.float() * full
 
@@ -407,20 +439,25 @@ def prepare_w_uk_t(
     dtype = _dtype_arg("dtype", dtype, FLOAT_DTYPES)
     if w.dtype in FP8_DTYPES:
         if weight_scale_inv is None:
-            raise FuseMLAValueError(f"weight_scale_inv: required when kv_b_proj_weight is FP8, "
-                                    f"got None for kv_b_proj_weight {describe(w)}")
+            raise FuseMLAValueError(
+                f"weight_scale_inv: required when kv_b_proj_weight is FP8, "
+                f"got None for kv_b_proj_weight {describe(w)}"
+            )
         w32 = dequantize_block_fp8(w, weight_scale_inv)
     else:
         if weight_scale_inv is not None:
-            raise FuseMLAValueError(f"weight_scale_inv: expected None for a non-FP8 "
-                                    f"kv_b_proj_weight {describe(w)}, got "
-                                    f"{describe(weight_scale_inv)}")
+            raise FuseMLAValueError(
+                f"weight_scale_inv: expected None for a non-FP8 "
+                f"kv_b_proj_weight {describe(w)}, got "
+                f"{describe(weight_scale_inv)}"
+            )
         _dtype("kv_b_proj_weight", w, FLOAT_DTYPES)
         w32 = w.float()
     w_uk_t, w_uv = split_kv_b_proj(w32, num_heads, qk_nope_head_dim, v_head_dim)
     if format == "fp8":
         uk: torch.Tensor | QuantizedWeight = quantize_fp8_weight(
-            w_uk_t, dtype=fp8_dtype, per_head=per_head)
+            w_uk_t, dtype=fp8_dtype, per_head=per_head
+        )
     elif format == "mxfp4":
         uk = quantize_mxfp4_weight(w_uk_t)
     else:

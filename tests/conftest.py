@@ -9,8 +9,12 @@ import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
-                     help="cpu: Triton interpreter, small dims (CI); cuda: the GPU, full dims")
+    parser.addoption(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: Triton interpreter, small dims (CI); cuda: the GPU, full dims",
+    )
 
 
 def pytest_configure(config):
@@ -44,4 +48,3 @@ def device(pytestconfig) -> str:
 @pytest.fixture(scope="session")
 def on_gpu(device) -> bool:
     return device == "cuda"
-

@@ -139,14 +139,16 @@ def register() -> None:
             except ImportError:  # pragma: no cover
                 pass
         if not env_switch(ENV_SWITCH, True):
-            _log_once(logging.INFO, "fusemla: %s=0, vLLM's MLA path is left untouched",
-                      ENV_SWITCH)
+            _log_once(logging.INFO, "fusemla: %s=0, vLLM's MLA path is left untouched", ENV_SWITCH)
             return
         if adapter is None:
-            _log_once(logging.WARNING,
-                      "fusemla: vLLM %s is not supported (supported: %s): plugin off, "
-                      "vLLM's own MLA path runs", version,
-                      ", ".join(f"{m}.x" for m in SUPPORTED_VLLM))
+            _log_once(
+                logging.WARNING,
+                "fusemla: vLLM %s is not supported (supported: %s): plugin off, "
+                "vLLM's own MLA path runs",
+                version,
+                ", ".join(f"{m}.x" for m in SUPPORTED_VLLM),
+            )
             return
         w_uk_mode()  # a bad FUSEMLA_VLLM_W_UK fails here, before any engine is built
         base = adapter.wrapper_base()
@@ -157,9 +159,12 @@ def register() -> None:
             _adapter = adapter
             return
         if existing is not None:
-            _log_once(logging.WARNING,
-                      "fusemla: %s is already replaced by %s (another plugin): fusemla off",
-                      name, existing)
+            _log_once(
+                logging.WARNING,
+                "fusemla: %s is already replaced by %s (another plugin): fusemla off",
+                name,
+                existing,
+            )
             return
         _adapter = adapter
         _register_op()
@@ -182,9 +187,14 @@ def _register_op() -> None:
         return
 
     @torch.library.custom_op(OP_NAME, mutates_args=("output",))
-    def vllm_mla_attention(q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
-                           positions: torch.Tensor, output: torch.Tensor,
-                           layer_name: str) -> None:
+    def vllm_mla_attention(
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        positions: torch.Tensor,
+        output: torch.Tensor,
+        layer_name: str,
+    ) -> None:
         """MLA attention of one layer for one step; reads the step's metadata at run time."""
         _layers[layer_name].run(q, kv_c_normed, k_pe, positions, output)
 
@@ -230,8 +240,9 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 class _LayerState:
     """What the op needs of one MLA layer (a plain object: not an nn.Module, no cycles)."""
 
-    def __init__(self, adapter: VllmAdapter, wrapper, fused_dec: bool, fused_pre: bool,
-                 w_uk: str = "auto"):
+    def __init__(
+        self, adapter: VllmAdapter, wrapper, fused_dec: bool, fused_pre: bool, w_uk: str = "auto"
+    ):
         self.ad = adapter
         self.attn = adapter.attention(wrapper)  # vLLM's MLAAttention (weights, cache, impl)
         self.rotary_emb = adapter.rotary(wrapper)
@@ -257,8 +268,11 @@ class _LayerState:
 
         w = self.ad.w_uk_t(self.attn)
         cache = self.ad.cos_sin_cache(self.rotary_emb)
-        key = (_tensor_key(w), _tensor_key(cache),
-               None if fp8_query is None else (fp8_query[0], id(fp8_query[1])))
+        key = (
+            _tensor_key(w),
+            _tensor_key(cache),
+            None if fp8_query is None else (fp8_query[0], id(fp8_query[1])),
+        )
         if key != self._spec_key:
             from fusemla.rope import split_cos_sin_cache
 
@@ -272,9 +286,15 @@ class _LayerState:
                 w_fused = quantize_fp8_weight(w, dtype=self.ad.fp8_dtype(), per_head=True)
             cos, sin = split_cos_sin_cache(cache)
             q_dtype, q_scale = fp8_query if fp8_query is not None else (None, None)
-            self._spec = build_spec(w_fused, cos, sin, is_neox=self.is_neox,
-                                    q_out_dtype=q_dtype, q_scale=q_scale,
-                                    act_quant="fp8" if self.w_uk == "fp8xfp8" else None)
+            self._spec = build_spec(
+                w_fused,
+                cos,
+                sin,
+                is_neox=self.is_neox,
+                q_out_dtype=q_dtype,
+                q_scale=q_scale,
+                act_quant="fp8" if self.w_uk == "fp8xfp8" else None,
+            )
             self._spec_key = key
         return self._spec
 
@@ -287,16 +307,21 @@ class _LayerState:
         reason = None
         w = ad.w_uk_t(a)
         if self.fused_dec and not isinstance(w, torch.Tensor):
-            reason = ("kv_b_proj is not held as a plain W_UK_T tensor (AITER FP8/FP4 BMM or "
-                      "AMX packing): decode BMM stays vLLM's")
-        elif self.fused_dec and (w.dtype != q.dtype or tuple(w.shape) != (
-                q.shape[1], self.P, self.L)):
+            reason = (
+                "kv_b_proj is not held as a plain W_UK_T tensor (AITER FP8/FP4 BMM or "
+                "AMX packing): decode BMM stays vLLM's"
+            )
+        elif self.fused_dec and (
+            w.dtype != q.dtype or tuple(w.shape) != (q.shape[1], self.P, self.L)
+        ):
             reason = f"W_UK_T {tuple(w.shape)} {w.dtype} does not match q {q.dtype}"
         elif q.dtype not in (torch.bfloat16, torch.float16):
             reason = f"activations are {q.dtype} (fusemla runs bf16/fp16)"
         elif kv_cache.dim() != 3 or kv_cache.shape[-1] != self.L + self.R:
-            reason = (f"KV cache of shape {tuple(kv_cache.shape)} is not "
-                      f"[blocks, block_size, {self.L + self.R}] rows")
+            reason = (
+                f"KV cache of shape {tuple(kv_cache.shape)} is not "
+                f"[blocks, block_size, {self.L + self.R}] rows"
+            )
         elif ad.is_fp8_cache(a) and kv_cache.element_size() != 1:
             reason = f"FP8 cache of element size {kv_cache.element_size()}"
         elif ad.cos_sin_cache(self.rotary_emb) is None:
@@ -304,8 +329,9 @@ class _LayerState:
         self._reason = reason
         self._checked = True
         if reason is not None:
-            _log_once(logging.WARNING, "fusemla: layer %s runs vLLM's MLA path: %s",
-                      self.name, reason)
+            _log_once(
+                logging.WARNING, "fusemla: layer %s runs vLLM's MLA path: %s", self.name, reason
+            )
         return reason
 
     # -- one step
@@ -326,7 +352,7 @@ class _LayerState:
     def vllm_rope(self, positions, q, k_pe):
         """vLLM's own rotation of a copy of ``q`` (q_pe part) and of ``k_pe`` ([n, 1, R])."""
         q = q.clone()
-        q[..., self.P:], k_pe = self.ad.rope(self.rotary_emb, positions, q[..., self.P:], k_pe)
+        q[..., self.P :], k_pe = self.ad.rope(self.rotary_emb, positions, q[..., self.P :], k_pe)
         _stats["vllm_rope_tokens"] += q.shape[0]
         return q, k_pe
 
@@ -364,28 +390,41 @@ class _LayerState:
             lo, hi, d = span.lo, span.hi, span.num_decode_tokens
             if span.fused:  # -- one fused launch for every token fusemla handles
                 if hi > lo + d:
-                    q_pre = q[lo + d:hi].clone()
+                    q_pre = q[lo + d : hi].clone()
                     k_pre = torch.empty(hi - lo - d, 1, R, dtype=q.dtype, device=q.device)
                 if d > 0:
-                    q_dec = torch.empty(d, H, L + R, device=q.device,
-                                        dtype=fp8_query[0] if fp8_query else q.dtype)
-                _prologue(self.spec(fp8_query), q[lo:hi, :, :P], q[lo:hi, :, P:], kv_c[lo:hi],
-                          k2[lo:hi], positions[lo:hi], cache, slots[lo:hi],
-                          num_decode_tokens=d, kv_scale=kv_scale, out=q_dec,
-                          q_pe_out=q_pre[..., P:] if q_pre is not None else None,
-                          k_pe_out=k_pre[:, 0] if k_pre is not None else None)
+                    q_dec = torch.empty(
+                        d, H, L + R, device=q.device, dtype=fp8_query[0] if fp8_query else q.dtype
+                    )
+                _prologue(
+                    self.spec(fp8_query),
+                    q[lo:hi, :, :P],
+                    q[lo:hi, :, P:],
+                    kv_c[lo:hi],
+                    k2[lo:hi],
+                    positions[lo:hi],
+                    cache,
+                    slots[lo:hi],
+                    num_decode_tokens=d,
+                    kv_scale=kv_scale,
+                    out=q_dec,
+                    q_pe_out=q_pre[..., P:] if q_pre is not None else None,
+                    k_pe_out=k_pre[:, 0] if k_pre is not None else None,
+                )
                 _stats["prologue_calls"] += 1
                 _stats["decode_tokens"] += d
                 _stats["prefill_tokens"] += hi - lo - d
             else:  # -- vLLM's RoPE and its cache write, per half
                 if d > 0:
-                    q_d, k_d = self.vllm_rope(positions[lo:lo + d], q[lo:lo + d],
-                                              k_pe[lo:lo + d])
-                    self.vllm_cache_write(kv_c[lo:lo + d], k_d, kv_cache, slots[lo:lo + d])
+                    q_d, k_d = self.vllm_rope(
+                        positions[lo : lo + d], q[lo : lo + d], k_pe[lo : lo + d]
+                    )
+                    self.vllm_cache_write(kv_c[lo : lo + d], k_d, kv_cache, slots[lo : lo + d])
                 if hi > lo + d:
-                    q_pre, k_pre = self.vllm_rope(positions[lo + d:hi], q[lo + d:hi],
-                                                  k_pe[lo + d:hi])
-                    self.vllm_cache_write(kv_c[lo + d:hi], k_pre, kv_cache, slots[lo + d:hi])
+                    q_pre, k_pre = self.vllm_rope(
+                        positions[lo + d : hi], q[lo + d : hi], k_pe[lo + d : hi]
+                    )
+                    self.vllm_cache_write(kv_c[lo + d : hi], k_pre, kv_cache, slots[lo + d : hi])
         _stats["op_calls"] += 1
         _stats["decode_calls"] += D > 0
         _stats["prefill_calls"] += n > D
@@ -413,8 +452,9 @@ def _prologue(*args, **kwargs):
 
 def _structural_reason(w) -> str | None:
     """Why a layer cannot use the fused op at all (None: it can); decided at build time."""
-    return _adapter.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, _forced_backends(),
-                                      FORCE_ENV)
+    return _adapter.structural_reason(
+        w, UNVERIFIED_FULL_GRAPH_BACKENDS, _forced_backends(), FORCE_ENV
+    )
 
 
 def _mark_compile_cache(dec: bool, pre: bool, w_uk: str) -> None:
@@ -429,8 +469,10 @@ def _mark_compile_cache(dec: bool, pre: bool, w_uk: str) -> None:
     """
     import fusemla
 
-    _adapter.mark_compile_cache("fusemla", {"version": fusemla.__version__, "fused_decode": dec,
-                                            "fused_prefill": pre, "w_uk": w_uk})
+    _adapter.mark_compile_cache(
+        "fusemla",
+        {"version": fusemla.__version__, "fused_decode": dec, "fused_prefill": pre, "w_uk": w_uk},
+    )
 
 
 def _make_wrapper_class(base: type) -> type:
@@ -449,8 +491,11 @@ def _make_wrapper_class(base: type) -> type:
             self._fusemla_reason = reason
             if reason is not None:
                 _stats["layers_vllm"] += 1
-                _log_once(logging.WARNING if (dec or pre) else logging.INFO,
-                          "fusemla: MLA layers run vLLM's own path: %s", reason)
+                _log_once(
+                    logging.WARNING if (dec or pre) else logging.INFO,
+                    "fusemla: MLA layers run vLLM's own path: %s",
+                    reason,
+                )
                 return
             w_uk = w_uk_mode()
             _stats["layers_fused"] += 1
@@ -458,18 +503,29 @@ def _make_wrapper_class(base: type) -> type:
             _layers[state.name] = state
             self._fusemla_layer_name = state.name
             # logged here, not in register(): vLLM may configure its loggers after plugins load
-            _log_once(logging.INFO, "fusemla: vLLM MLA plugin active (vLLM %s adapter, fused "
-                      "decode=%s, fused prefill=%s, W_UK %s)", _adapter.minor, dec, pre, w_uk)
+            _log_once(
+                logging.INFO,
+                "fusemla: vLLM MLA plugin active (vLLM %s adapter, fused "
+                "decode=%s, fused prefill=%s, W_UK %s)",
+                _adapter.minor,
+                dec,
+                pre,
+                w_uk,
+            )
             _mark_compile_cache(dec, pre, w_uk)
 
         def forward(self, positions, hidden_states, llama_4_scaling=None):
             if self._fusemla_reason is not None or llama_4_scaling is not None:
                 return super().forward(positions, hidden_states, llama_4_scaling)
             q, kv_c_normed, k_pe = _adapter.projections(self, hidden_states)
-            output = torch.empty((hidden_states.shape[0], _adapter.output_width(self)),
-                                 dtype=q.dtype, device=q.device)
-            torch.ops.fusemla.vllm_mla_attention(q, kv_c_normed, k_pe, positions, output,
-                                                 self._fusemla_layer_name)
+            output = torch.empty(
+                (hidden_states.shape[0], _adapter.output_width(self)),
+                dtype=q.dtype,
+                device=q.device,
+            )
+            torch.ops.fusemla.vllm_mla_attention(
+                q, kv_c_normed, k_pe, positions, output, self._fusemla_layer_name
+            )
             return _adapter.finish(self, output, hidden_states)
 
     FuseMLAWrapper.__qualname__ = "FuseMLAWrapper"

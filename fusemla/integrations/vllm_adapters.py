@@ -209,8 +209,9 @@ class VllmAdapter:
         """(the decode backend takes an FP8 query, its scale) for an FP8 cache."""
         return bool(getattr(attn.impl, "supports_quant_query_input", False)), attn._q_scale
 
-    def structural_reason(self, w, unverified_full_graph: dict[str, str],
-                          forced: set[str], force_env: str) -> str | None:
+    def structural_reason(
+        self, w, unverified_full_graph: dict[str, str], forced: set[str], force_env: str
+    ) -> str | None:
         """Why wrapper ``w``'s layer cannot run fused at all (None: it can), decided when the
         layer is built. ``unverified_full_graph``: backend -> why it is left to vLLM under full
         CUDA graphs, unless named in ``forced``."""
@@ -231,16 +232,18 @@ class VllmAdapter:
         if getattr(a, "is_amx_bmm_enabled", False):
             return "AMX backend packs W_UK / W_UV itself"
         if getattr(a, "is_aiter_triton_fp8_bmm_enabled", False) or getattr(
-                a, "is_aiter_triton_fp4_bmm_enabled", False):
+            a, "is_aiter_triton_fp4_bmm_enabled", False
+        ):
             return "kv_b_proj runs AITER's FP8/FP4 BMM (quantized W_UK)"
         if a.prefill_backend is None:
             return "no dense prefill backend"
         backend = a.attn_backend.get_name()
-        if (backend in unverified_full_graph and backend not in forced
-                and self.full_cudagraphs()):
-            return (f"the {backend} decode backend {unverified_full_graph[backend]}; it runs "
-                    f"fused with enforce_eager=True (set {force_env}={backend} to run it fused "
-                    f"anyway, for diagnosis)")
+        if backend in unverified_full_graph and backend not in forced and self.full_cudagraphs():
+            return (
+                f"the {backend} decode backend {unverified_full_graph[backend]}; it runs "
+                f"fused with enforce_eager=True (set {force_env}={backend} to run it fused "
+                f"anyway, for diagnosis)"
+            )
         uses_flat = getattr(a, "_uses_flat_kv_cache", None)
         if callable(uses_flat) and uses_flat():
             return f"the {backend} backend keeps a flat KV cache layout"
@@ -252,8 +255,10 @@ class VllmAdapter:
         if w.qk_rope_head_dim % 2:
             return "odd rope dim"
         if self.kv_transfer_configured():
-            return ("a KV-transfer connector is configured (its per-layer load/save hooks run "
-                    "only inside vLLM's own attention op)")
+            return (
+                "a KV-transfer connector is configured (its per-layer load/save hooks run "
+                "only inside vLLM's own attention op)"
+            )
         return None
 
     def projections(self, w, hidden_states: torch.Tensor):
@@ -261,15 +266,18 @@ class VllmAdapter:
         vLLM's projections and norms, as its own wrapper forward computes them."""
         if w.q_lora_rank is not None:
             qkv = w.fused_qkv_a_proj(hidden_states)[0]
-            q_c, kv_lora = qkv.split([w.q_lora_rank, w.kv_lora_rank + w.qk_rope_head_dim],
-                                     dim=-1)
+            q_c, kv_lora = qkv.split([w.q_lora_rank, w.kv_lora_rank + w.qk_rope_head_dim], dim=-1)
             kv_c, k_pe = kv_lora.split([w.kv_lora_rank, w.qk_rope_head_dim], dim=-1)
             if w.fuse_qkv_rmsnorm:
                 from vllm.models.common.ops import fused_q_kv_rmsnorm
 
                 q_in, kv_c_normed = fused_q_kv_rmsnorm(
-                    q_c, kv_c, w.q_a_layernorm.weight.data, w.kv_a_layernorm.weight.data,
-                    w.q_a_layernorm.variance_epsilon)
+                    q_c,
+                    kv_c,
+                    w.q_a_layernorm.weight.data,
+                    w.kv_a_layernorm.weight.data,
+                    w.q_a_layernorm.variance_epsilon,
+                )
             else:
                 q_in = w.q_a_layernorm(q_c)
                 kv_c_normed = w.kv_a_layernorm(kv_c)
@@ -299,14 +307,16 @@ class VllmAdapter:
 
     def cache_write(self, attn, kv_c, k_pe, kv_cache, slots) -> None:
         """vLLM's cache write of these tokens (what ``update_kv_cache`` calls)."""
-        attn.impl.do_kv_cache_update(kv_c, k_pe, kv_cache, slots, attn.kv_cache_dtype,
-                                     attn._k_scale)
+        attn.impl.do_kv_cache_update(
+            kv_c, k_pe, kv_cache, slots, attn.kv_cache_dtype, attn._k_scale
+        )
 
     def own_path(self, attn, q, kv_c, k_pe, md, slots, output) -> None:
         """vLLM's MLAAttention for this step, after RoPE: cache update, then attention."""
         attn.prepare_kv_cache_update(md)
-        attn.update_kv_cache(kv_c, k_pe, attn.kv_cache, slots, md, attn.kv_cache_dtype,
-                             attn._k_scale)
+        attn.update_kv_cache(
+            kv_c, k_pe, attn.kv_cache, slots, md, attn.kv_cache_dtype, attn._k_scale
+        )
         attn.forward_impl(q, kv_c, k_pe, attn.kv_cache, md, output=output)
 
     def own_attention(self, attn, q, kv_c, k_pe, kv_cache, md, output) -> None:
@@ -338,10 +348,13 @@ class Vllm033(VllmAdapter):
     )
 
     def cache_write(self, attn, kv_c, k_pe, kv_cache, slots) -> None:
-        skip = attn.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2") and float(
-            getattr(attn, "_k_scale_float", 0.0)) == 1.0
-        attn.impl.do_kv_cache_update(kv_c, k_pe, kv_cache, slots, attn.kv_cache_dtype,
-                                     attn._k_scale, skip)
+        skip = (
+            attn.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
+            and float(getattr(attn, "_k_scale_float", 0.0)) == 1.0
+        )
+        attn.impl.do_kv_cache_update(
+            kv_c, k_pe, kv_cache, slots, attn.kv_cache_dtype, attn._k_scale, skip
+        )
 
 
 #: the supported vLLM minor versions and their adapters

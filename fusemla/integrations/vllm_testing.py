@@ -41,8 +41,11 @@ _installed = False
 def _layer_modules(model):
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, MultiHeadLatentAttentionWrapper)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, MultiHeadLatentAttentionWrapper)
+    ]
 
 
 def _install(model, inject: str, capture: bool) -> None:
@@ -62,11 +65,19 @@ def _install(model, inject: str, capture: bool) -> None:
         by_ptr[a.kv_cache.data_ptr()] = a.layer_name
         a.kv_cache.zero_()
 
-        def logged(kv_c, k_pe, kv_cache, slot_mapping, *rest, _orig=a.impl.do_kv_cache_update,
-                   _name=a.layer_name):
+        def logged(
+            kv_c,
+            k_pe,
+            kv_cache,
+            slot_mapping,
+            *rest,
+            _orig=a.impl.do_kv_cache_update,
+            _name=a.layer_name,
+        ):
             if not _capturing():
-                _log["writes"].append((_name, "vllm",
-                                       slot_mapping.detach().cpu().long().numpy().copy()))
+                _log["writes"].append(
+                    (_name, "vllm", slot_mapping.detach().cpu().long().numpy().copy())
+                )
             if noise:
                 kv_c, k_pe = _perturbed(kv_c, noise), _perturbed(k_pe, noise)
             return _orig(kv_c, k_pe, kv_cache, slot_mapping, *rest)
@@ -144,8 +155,10 @@ def _install(model, inject: str, capture: bool) -> None:
                 # one happens is up to the engine's timing
                 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-                if (not is_forward_context_available()
-                        or get_forward_context().attn_metadata is None):
+                if (
+                    not is_forward_context_available()
+                    or get_forward_context().attn_metadata is None
+                ):
                     return
                 _log["captures"][_name].append(out.detach().float().cpu().clone())
 
@@ -195,9 +208,13 @@ class FuseMLATestExtension:
         layers = _layer_modules(self.model_runner.model)
         a = layers[0][1].mla_attn
         kv = a.kv_cache
-        return {"backend": a.attn_backend.get_name(), "kv_cache_dtype": a.kv_cache_dtype,
-                "block_size": int(kv.shape[1]) if kv.dim() == 3 else None,
-                "cache_shape": list(kv.shape), "layers": len(layers)}
+        return {
+            "backend": a.attn_backend.get_name(),
+            "kv_cache_dtype": a.kv_cache_dtype,
+            "block_size": int(kv.shape[1]) if kv.dim() == 3 else None,
+            "cache_shape": list(kv.shape),
+            "layers": len(layers),
+        }
 
     def fusemla_profile(self, what: str) -> dict | None:
         """``start``: torch profiler on (CUDA activity); ``stop``: per key of
@@ -226,8 +243,12 @@ class FuseMLATestExtension:
                 if frag in name:
                     counts[k] += n
                     times[k] += us
-        return {"counts": counts, "us": {k: round(v, 2) for k, v in times.items()},
-                "kernels": total_n, "kernel_us": round(total_us, 2)}
+        return {
+            "counts": counts,
+            "us": {k: round(v, 2) for k, v in times.items()},
+            "kernels": total_n,
+            "kernel_us": round(total_us, 2),
+        }
 
     def fusemla_collect(self, out_dir: str) -> dict:
         from fusemla.integrations import vllm as plugin

@@ -8,5 +8,4 @@ the first call).
 from fusemla.config import MLAConfig
 from fusemla.layers.mla import WEIGHT_FORMATS, MLAAttention, RMSNorm, softmax_scale_from_hf_config
 
-__all__ = ["WEIGHT_FORMATS", "MLAAttention", "MLAConfig", "RMSNorm",
-           "softmax_scale_from_hf_config"]
+__all__ = ["WEIGHT_FORMATS", "MLAAttention", "MLAConfig", "RMSNorm", "softmax_scale_from_hf_config"]

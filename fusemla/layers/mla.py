@@ -122,8 +122,9 @@ def _positive_int(cfg: Any, key: str) -> int:
 def softmax_scale_from_hf_config(hf_config: Any) -> float:
     """``(P + R) ** -0.5``, times ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` under YaRN
     (DeepSeek's softmax scale; Hugging Face's ``DeepseekV3Attention.scaling``)."""
-    scale = (_positive_int(hf_config, "qk_nope_head_dim")
-             + _positive_int(hf_config, "qk_rope_head_dim")) ** -0.5
+    scale = (
+        _positive_int(hf_config, "qk_nope_head_dim") + _positive_int(hf_config, "qk_rope_head_dim")
+    ) ** -0.5
     params = _get(hf_config, "rope_parameters") or _get(hf_config, "rope_scaling") or {}
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type != "default" and params.get("mscale_all_dim"):
@@ -134,14 +135,18 @@ def softmax_scale_from_hf_config(hf_config: Any) -> float:
 
 def _check_choice(dtype: object, weight_format: object, config: object) -> None:
     if dtype not in _DTYPES:
-        raise FuseMLATypeError(f"dtype: expected torch.bfloat16 or torch.float16 (the fused "
-                               f"kernel's activations), got {describe(dtype)}")
+        raise FuseMLATypeError(
+            f"dtype: expected torch.bfloat16 or torch.float16 (the fused "
+            f"kernel's activations), got {describe(dtype)}"
+        )
     if weight_format not in WEIGHT_FORMATS:
-        raise FuseMLAValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, "
-                                f"got {weight_format!r}")
+        raise FuseMLAValueError(
+            f"weight_format: expected one of {WEIGHT_FORMATS}, got {weight_format!r}"
+        )
     if config is not None and not isinstance(config, MLAConfig):
-        raise FuseMLATypeError(f"config: expected None or a fusemla.MLAConfig, "
-                               f"got {describe(config)}")
+        raise FuseMLATypeError(
+            f"config: expected None or a fusemla.MLAConfig, got {describe(config)}"
+        )
 
 
 class MLAAttention(nn.Module):
@@ -153,25 +158,45 @@ class MLAAttention(nn.Module):
     ``L = kv_lora_rank``, ``V = v_head_dim``.
     """
 
-    def __init__(self, *, hidden_size: int, num_heads: int, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 q_lora_rank: int | None, cos_sin_cache: torch.Tensor, softmax_scale: float,
-                 is_neox: bool = False, attention_bias: bool = False, norm_eps: float = 1e-6,
-                 dtype: torch.dtype = torch.bfloat16, weight_format: str = "plain",
-                 config: MLAConfig | None = None,
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None,
+        cos_sin_cache: torch.Tensor,
+        softmax_scale: float,
+        is_neox: bool = False,
+        attention_bias: bool = False,
+        norm_eps: float = 1e-6,
+        dtype: torch.dtype = torch.bfloat16,
+        weight_format: str = "plain",
+        config: MLAConfig | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         super().__init__()
         _check_choice(dtype, weight_format, config)
-        dims = {"hidden_size": hidden_size, "num_heads": num_heads,
-                "kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": qk_nope_head_dim,
-                "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim}
+        dims = {
+            "hidden_size": hidden_size,
+            "num_heads": num_heads,
+            "kv_lora_rank": kv_lora_rank,
+            "qk_nope_head_dim": qk_nope_head_dim,
+            "qk_rope_head_dim": qk_rope_head_dim,
+            "v_head_dim": v_head_dim,
+        }
         for name, value in dims.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FuseMLAValueError(f"{name}: expected a positive int, got {value!r}")
-        if q_lora_rank is not None and (isinstance(q_lora_rank, bool)
-                                        or not isinstance(q_lora_rank, int) or q_lora_rank <= 0):
-            raise FuseMLAValueError(f"q_lora_rank: expected None or a positive int, "
-                                    f"got {q_lora_rank!r}")
+        if q_lora_rank is not None and (
+            isinstance(q_lora_rank, bool) or not isinstance(q_lora_rank, int) or q_lora_rank <= 0
+        ):
+            raise FuseMLAValueError(
+                f"q_lora_rank: expected None or a positive int, got {q_lora_rank!r}"
+            )
         if not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
             raise FuseMLAValueError(f"softmax_scale: expected a float > 0, got {softmax_scale!r}")
         self.hidden_size, self.num_heads = hidden_size, num_heads
@@ -204,8 +229,10 @@ class MLAAttention(nn.Module):
 
         cos_sin = torch.as_tensor(cos_sin_cache)
         if cos_sin.dim() != 2 or cos_sin.shape[1] != R:
-            raise FuseMLAValueError(f"cos_sin_cache: expected shape [max_position, R={R}], "
-                                    f"got {describe(cos_sin_cache)}")
+            raise FuseMLAValueError(
+                f"cos_sin_cache: expected shape [max_position, R={R}], "
+                f"got {describe(cos_sin_cache)}"
+            )
         cos, sin = split_cos_sin_cache(cos_sin.to(device=device, dtype=torch.float32))
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -232,8 +259,9 @@ class MLAAttention(nn.Module):
         ``W_UK_T`` / ``W_UV``. A linear's FP8 ``weight`` with ``weight_scale_inv`` ([128, 128]
         blocks) is dequantized to fp32 first. Raises on missing, unexpected or misshapen keys."""
         if not isinstance(state_dict, Mapping):
-            raise FuseMLATypeError(f"state_dict: expected a mapping of tensors, "
-                                   f"got {describe(state_dict)}")
+            raise FuseMLATypeError(
+                f"state_dict: expected a mapping of tensors, got {describe(state_dict)}"
+            )
         expected = {}
         for name in _LINEARS + _NORMS:
             mod = getattr(self, name)
@@ -246,25 +274,32 @@ class MLAAttention(nn.Module):
         if unexpected or missing:
             raise FuseMLAValueError(
                 f"state_dict: expected the keys {sorted(expected)} (+ optional "
-                f"<linear>.weight_scale_inv), got missing {missing}, unexpected {unexpected}")
+                f"<linear>.weight_scale_inv), got missing {missing}, unexpected {unexpected}"
+            )
         w_kv_b32 = None
         for key, param in expected.items():
             value = state_dict[key]
             if not isinstance(value, torch.Tensor):
-                raise FuseMLATypeError(f"state_dict[{key!r}]: expected a tensor, "
-                                       f"got {describe(value)}")
+                raise FuseMLATypeError(
+                    f"state_dict[{key!r}]: expected a tensor, got {describe(value)}"
+                )
             scale_key = key.removesuffix(".weight") + ".weight_scale_inv"
             if value.dtype in FP8_DTYPES:
                 if scale_key not in state_dict:
-                    raise FuseMLAValueError(f"state_dict[{scale_key!r}]: an FP8 {key} needs its "
-                                            f"block scales, got none")
+                    raise FuseMLAValueError(
+                        f"state_dict[{scale_key!r}]: an FP8 {key} needs its block scales, got none"
+                    )
                 value = dequantize_block_fp8(value, state_dict[scale_key].to(value.device))
             elif key.endswith(".weight") and scale_key in state_dict:
-                raise FuseMLAValueError(f"state_dict[{scale_key!r}]: expected only with an FP8 "
-                                        f"{key}, got {key} {describe(value)}")
+                raise FuseMLAValueError(
+                    f"state_dict[{scale_key!r}]: expected only with an FP8 "
+                    f"{key}, got {key} {describe(value)}"
+                )
             if tuple(value.shape) != tuple(param.shape):
-                raise FuseMLAValueError(f"state_dict[{key!r}]: expected shape "
-                                        f"{list(param.shape)}, got {describe(value)}")
+                raise FuseMLAValueError(
+                    f"state_dict[{key!r}]: expected shape "
+                    f"{list(param.shape)}, got {describe(value)}"
+                )
             if key == "kv_b_proj.weight":
                 w_kv_b32 = value.to(device=param.device, dtype=torch.float32)
             param.copy_(value.to(param.device))
@@ -276,10 +311,17 @@ class MLAAttention(nn.Module):
             self._w_uk_t_data, self._w_uk_t_scale = qw.data, qw.scale
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], hf_config: Any, *,
-                        dtype: torch.dtype = torch.bfloat16, weight_format: str = "plain",
-                        max_position: int | None = None, config: MLAConfig | None = None,
-                        device: str | torch.device | None = None) -> MLAAttention:
+    def from_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        hf_config: Any,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        weight_format: str = "plain",
+        max_position: int | None = None,
+        config: MLAConfig | None = None,
+        device: str | torch.device | None = None,
+    ) -> MLAAttention:
         """A layer from a checkpoint's ``self_attn.*`` tensors (keys without the prefix:
         ``q_a_proj.weight``, ``q_a_layernorm.weight``, ``q_b_proj.weight`` or ``q_proj.weight``,
         ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``, ``kv_b_proj.weight`` (+ an
@@ -295,51 +337,97 @@ class MLAAttention(nn.Module):
         if isinstance(state_dict, Mapping) and device is None:
             ref = state_dict.get("kv_b_proj.weight")
             device = ref.device if isinstance(ref, torch.Tensor) else None
-        return cls._build(state_dict, hf_config, dtype=dtype, weight_format=weight_format,
-                          max_position=max_position, config=config, device=device,
-                          softmax_scale=softmax_scale_from_hf_config(hf_config), norm_eps=1e-6)
+        return cls._build(
+            state_dict,
+            hf_config,
+            dtype=dtype,
+            weight_format=weight_format,
+            max_position=max_position,
+            config=config,
+            device=device,
+            softmax_scale=softmax_scale_from_hf_config(hf_config),
+            norm_eps=1e-6,
+        )
 
     @classmethod
-    def from_hf(cls, module: nn.Module, *, dtype: torch.dtype = torch.bfloat16,
-                weight_format: str = "plain", max_position: int | None = None,
-                config: MLAConfig | None = None) -> MLAAttention:
+    def from_hf(
+        cls,
+        module: nn.Module,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        weight_format: str = "plain",
+        max_position: int | None = None,
+        config: MLAConfig | None = None,
+    ) -> MLAAttention:
         """A layer with the weights of a transformers ``DeepseekV3Attention`` (or V2) ``module``,
         on its device. Softmax scale: ``module.scaling``; RMSNorm eps: the module's."""
         _check_choice(dtype, weight_format, config)
         hf_config = getattr(module, "config", None)
-        if not isinstance(module, nn.Module) or hf_config is None or not hasattr(
-                module, "kv_b_proj"):
-            raise FuseMLATypeError(f"module: expected a transformers DeepseekV3Attention (with "
-                                   f".config and .kv_b_proj), got {type(module).__name__}")
+        if (
+            not isinstance(module, nn.Module)
+            or hf_config is None
+            or not hasattr(module, "kv_b_proj")
+        ):
+            raise FuseMLATypeError(
+                f"module: expected a transformers DeepseekV3Attention (with "
+                f".config and .kv_b_proj), got {type(module).__name__}"
+            )
         scaling = getattr(module, "scaling", None)
-        softmax_scale = (float(scaling) if scaling is not None
-                         else softmax_scale_from_hf_config(hf_config))
+        softmax_scale = (
+            float(scaling) if scaling is not None else softmax_scale_from_hf_config(hf_config)
+        )
         norm = getattr(module, "kv_a_layernorm", None)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        return cls._build(module.state_dict(), hf_config, dtype=dtype,
-                          weight_format=weight_format, max_position=max_position, config=config,
-                          device=module.kv_b_proj.weight.device, softmax_scale=softmax_scale,
-                          norm_eps=float(eps))
+        return cls._build(
+            module.state_dict(),
+            hf_config,
+            dtype=dtype,
+            weight_format=weight_format,
+            max_position=max_position,
+            config=config,
+            device=module.kv_b_proj.weight.device,
+            softmax_scale=softmax_scale,
+            norm_eps=float(eps),
+        )
 
     @classmethod
-    def _build(cls, state_dict, hf_config, *, dtype, weight_format, max_position, config,
-               device, softmax_scale, norm_eps) -> MLAAttention:
+    def _build(
+        cls,
+        state_dict,
+        hf_config,
+        *,
+        dtype,
+        weight_format,
+        max_position,
+        config,
+        device,
+        softmax_scale,
+        norm_eps,
+    ) -> MLAAttention:
         if hf_config is None:
             raise FuseMLATypeError("hf_config: expected a DeepSeek-V2/V3 config, got None")
         q_lora_rank = _get(hf_config, "q_lora_rank")
-        cos_sin = rope_cache_from_hf_config(hf_config, max_position, dtype=torch.float32,
-                                            device=device)
-        layer = cls(hidden_size=_positive_int(hf_config, "hidden_size"),
-                    num_heads=_positive_int(hf_config, "num_attention_heads"),
-                    kv_lora_rank=_positive_int(hf_config, "kv_lora_rank"),
-                    qk_nope_head_dim=_positive_int(hf_config, "qk_nope_head_dim"),
-                    qk_rope_head_dim=_positive_int(hf_config, "qk_rope_head_dim"),
-                    v_head_dim=_positive_int(hf_config, "v_head_dim"),
-                    q_lora_rank=q_lora_rank, cos_sin_cache=cos_sin, softmax_scale=softmax_scale,
-                    is_neox=_get(hf_config, "rope_interleave", True) is False,
-                    attention_bias=bool(_get(hf_config, "attention_bias", False)),
-                    norm_eps=norm_eps, dtype=dtype, weight_format=weight_format, config=config,
-                    device=device)
+        cos_sin = rope_cache_from_hf_config(
+            hf_config, max_position, dtype=torch.float32, device=device
+        )
+        layer = cls(
+            hidden_size=_positive_int(hf_config, "hidden_size"),
+            num_heads=_positive_int(hf_config, "num_attention_heads"),
+            kv_lora_rank=_positive_int(hf_config, "kv_lora_rank"),
+            qk_nope_head_dim=_positive_int(hf_config, "qk_nope_head_dim"),
+            qk_rope_head_dim=_positive_int(hf_config, "qk_rope_head_dim"),
+            v_head_dim=_positive_int(hf_config, "v_head_dim"),
+            q_lora_rank=q_lora_rank,
+            cos_sin_cache=cos_sin,
+            softmax_scale=softmax_scale,
+            is_neox=_get(hf_config, "rope_interleave", True) is False,
+            attention_bias=bool(_get(hf_config, "attention_bias", False)),
+            norm_eps=norm_eps,
+            dtype=dtype,
+            weight_format=weight_format,
+            config=config,
+            device=device,
+        )
         layer.load_weights(state_dict)
         return layer
 
@@ -349,32 +437,55 @@ class MLAAttention(nn.Module):
         """The effective ``(fused_decode, fused_prefill)`` for the next call."""
         return (self.config or MLAConfig()).resolve()
 
-    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor,
-                metadata: BatchMetadata, kv_cache: torch.Tensor,
-                kv_scale: Scale = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: BatchMetadata,
+        kv_cache: torch.Tensor,
+        kv_scale: Scale = None,
+    ) -> torch.Tensor:
         """``hidden_states [N, hidden]`` (rows in ``metadata``'s decode-first order),
         ``positions [N]``, ``kv_cache [num_blocks, block_size, L + R]`` (bf16/fp16, or FP8 with
         ``kv_scale``: a float or a 1-element fp32 tensor). Writes this step's cache rows;
         returns ``[N, hidden]``."""
         md = self._check_step(metadata, kv_cache)
         N = md.num_tokens
-        x = self._check_activation("hidden_states", hidden_states, (N, self.hidden_size),
-                                   lambda: f"[N={N} (the metadata's num_tokens), "
-                                           f"hidden_size={self.hidden_size}]")
+        x = self._check_activation(
+            "hidden_states",
+            hidden_states,
+            (N, self.hidden_size),
+            lambda: f"[N={N} (the metadata's num_tokens), hidden_size={self.hidden_size}]",
+        )
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         kv_a = self.kv_a_proj_with_mqa(x)
-        kv_c = self.kv_a_layernorm(kv_a[:, :self.L])
-        out = self.forward_latent(q.view(N, self.H, self.P + self.R), kv_c, kv_a[:, self.L:],
-                                  positions, md, kv_cache, kv_scale)
+        kv_c = self.kv_a_layernorm(kv_a[:, : self.L])
+        out = self.forward_latent(
+            q.view(N, self.H, self.P + self.R),
+            kv_c,
+            kv_a[:, self.L :],
+            positions,
+            md,
+            kv_cache,
+            kv_scale,
+        )
         return self.o_proj(out)
 
-    def forward_latent(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                       positions: torch.Tensor, metadata: BatchMetadata,
-                       kv_cache: torch.Tensor, kv_scale: Scale = None, *,
-                       rope_applied: bool = False) -> torch.Tensor:
+    def forward_latent(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: BatchMetadata,
+        kv_cache: torch.Tensor,
+        kv_scale: Scale = None,
+        *,
+        rope_applied: bool = False,
+    ) -> torch.Tensor:
         """The layer after its projections: ``q [N, H, P + R]`` (q_b_proj output), ``kv_c [N, L]``
         (after kv_a_layernorm), ``k_pe [N, R]`` (rotated only when ``rope_applied``), then as
         :meth:`forward`. Returns the attention output ``[N, H * V]`` before ``o_proj``."""
@@ -389,17 +500,27 @@ class MLAAttention(nn.Module):
             k_pe = k_pe[:, 0]
         self._check_activation("k_pe", k_pe, (N, R), lambda: f"[N={N}, R={R}] or [N, 1, R]")
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (N,):
-            raise FuseMLAValueError(f"positions: expected a tensor of shape [N={N}] (the "
-                                    f"metadata's num_tokens), got {describe(positions)}")
+            raise FuseMLAValueError(
+                f"positions: expected a tensor of shape [N={N}] (the "
+                f"metadata's num_tokens), got {describe(positions)}"
+            )
         if not isinstance(rope_applied, bool):
             raise FuseMLATypeError(f"rope_applied: expected a bool, got {describe(rope_applied)}")
         q_nope, q_pe = q[..., :P], q[..., P:]
-        dec_q, pre_q_pe = self._prologue(q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache,
-                                         kv_scale, rope_applied)
+        dec_q, pre_q_pe = self._prologue(
+            q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied
+        )
         parts = []
         if D > 0:
-            o = paged_decode_attention(dec_q, kv_cache, md.block_table[:D], md.seq_lens[:D],
-                                       self.softmax_scale, kv_scale, kv_lora_rank=L)
+            o = paged_decode_attention(
+                dec_q,
+                kv_cache,
+                md.block_table[:D],
+                md.seq_lens[:D],
+                self.softmax_scale,
+                kv_scale,
+                kv_lora_rank=L,
+            )
             parts.append(torch.einsum("dhl,hlv->dhv", o, self.W_UV.float()))  # [D, H, V]
         # Prefill requests, one at a time (host ints: a step with prefills specializes its
         # shapes). A decode-only step never reads the request count (len(seq_lens_cpu) == N),
@@ -408,11 +529,19 @@ class MLAAttention(nn.Module):
             qsl, bs = md.query_start_loc_cpu, md.block_size
             for r in range(md.num_decodes, md.num_reqs):
                 t0, t1, S = qsl[r], qsl[r + 1], md.seq_lens_cpu[r]
-                blocks = md.block_table[r:r + 1, :math.ceil(S / bs)]
+                blocks = md.block_table[r : r + 1, : math.ceil(S / bs)]
                 rows = gather_latents(kv_cache, blocks, kv_scale, L)[0, :S]
-                parts.append(prefill_attention(q_nope[t0:t1], pre_q_pe[t0 - D:t1 - D], rows,
-                                               self.W_UK, self.W_UV, S - (t1 - t0),
-                                               self.softmax_scale))
+                parts.append(
+                    prefill_attention(
+                        q_nope[t0:t1],
+                        pre_q_pe[t0 - D : t1 - D],
+                        rows,
+                        self.W_UK,
+                        self.W_UV,
+                        S - (t1 - t0),
+                        self.softmax_scale,
+                    )
+                )
         if not parts:
             return q.new_zeros(0, H * V)
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -420,8 +549,9 @@ class MLAAttention(nn.Module):
 
     # ------------------------------------------------------------------------------ internals
 
-    def _prologue(self, q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale,
-                  rope_applied) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prologue(
+        self, q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's only RoPE and cache write: ``(q [D, H, L+R], rotated q_pe [N-D, H, R])``.
 
         The layer's :class:`~fusemla.ops.prologue.args.PrologueSpec` is built per call (cheap host
@@ -438,9 +568,19 @@ class MLAAttention(nn.Module):
         for span in split_halves(N, D, *self.flags()).spans:
             s = slice(span.lo, span.hi)
             fn = mla_prologue_step if span.fused else mla_prologue_step_ref
-            out = fn(spec, q_nope[s], q_pe[s], kv_c[s], k_pe[s], positions[s], kv_cache,
-                     md.slot_mapping[s], num_decode_tokens=span.num_decode_tokens,
-                     rope_applied=rope_applied, kv_scale=kv_scale)
+            out = fn(
+                spec,
+                q_nope[s],
+                q_pe[s],
+                kv_c[s],
+                k_pe[s],
+                positions[s],
+                kv_cache,
+                md.slot_mapping[s],
+                num_decode_tokens=span.num_decode_tokens,
+                rope_applied=rope_applied,
+                kv_scale=kv_scale,
+            )
             if span.num_decode_tokens > 0:
                 dec_q = out.q
             if span.hi > span.lo + span.num_decode_tokens:
@@ -451,42 +591,51 @@ class MLAAttention(nn.Module):
             pre_q_pe = q_pe.new_empty(0, self.H, self.R)
         return dec_q, pre_q_pe
 
-    def _check_activation(self, name: str, x: object, shape: tuple,
-                          what: Callable[[], str]) -> torch.Tensor:
+    def _check_activation(
+        self, name: str, x: object, shape: tuple, what: Callable[[], str]
+    ) -> torch.Tensor:
         """``what()``: the expected shape's text, built only when a check fails."""
         if not isinstance(x, torch.Tensor):
             raise FuseMLATypeError(f"{name}: expected a torch.Tensor {what()}, got {describe(x)}")
-        if x.dim() != len(shape) or any(e is not None and e != s
-                                         for e, s in zip(shape, x.shape)):
+        if x.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, x.shape)):
             raise FuseMLAValueError(f"{name}: expected shape {what()}, got {describe(x)}")
         if x.dtype != self.dtype:
-            raise FuseMLATypeError(f"{name}: expected dtype {self.dtype} (the layer's), "
-                                   f"got {describe(x)}")
+            raise FuseMLATypeError(
+                f"{name}: expected dtype {self.dtype} (the layer's), got {describe(x)}"
+            )
         if x.device != self.W_UV.device:
-            raise FuseMLATypeError(f"{name}: expected device {self.W_UV.device} (the layer's), "
-                                   f"got {describe(x)}")
+            raise FuseMLATypeError(
+                f"{name}: expected device {self.W_UV.device} (the layer's), got {describe(x)}"
+            )
         return x
 
     def _check_step(self, metadata: object, kv_cache: object) -> BatchMetadata:
         if not isinstance(metadata, BatchMetadata):
-            raise FuseMLATypeError(f"metadata: expected a fusemla.metadata.BatchMetadata, "
-                                   f"got {describe(metadata)}")
+            raise FuseMLATypeError(
+                f"metadata: expected a fusemla.metadata.BatchMetadata, got {describe(metadata)}"
+            )
         if not isinstance(kv_cache, torch.Tensor):
-            raise FuseMLATypeError(f"kv_cache: expected a torch.Tensor [num_blocks, block_size, "
-                                   f"L+R], got {describe(kv_cache)}")
+            raise FuseMLATypeError(
+                f"kv_cache: expected a torch.Tensor [num_blocks, block_size, "
+                f"L+R], got {describe(kv_cache)}"
+            )
         width = self.L + self.R
         if kv_cache.dim() != 3 or kv_cache.shape[1:] != (metadata.block_size, width):
             raise FuseMLAValueError(
                 f"kv_cache: expected shape [num_blocks, block_size={metadata.block_size} (that "
-                f"of metadata), L+R={width}], got {describe(kv_cache)}")
+                f"of metadata), L+R={width}], got {describe(kv_cache)}"
+            )
         device = self.W_UV.device
         for name, t in (("kv_cache", kv_cache), ("metadata", metadata.slot_mapping)):
             if t.device != device:
-                raise FuseMLATypeError(f"{name}: expected device {device} (the layer's), "
-                                       f"got {describe(t)}")
+                raise FuseMLATypeError(
+                    f"{name}: expected device {device} (the layer's), got {describe(t)}"
+                )
         return metadata
 
     def extra_repr(self) -> str:
-        return (f"H={self.H}, P={self.P}, R={self.R}, L={self.L}, V={self.V}, "
-                f"q_lora_rank={self.q_lora_rank}, is_neox={self.is_neox}, dtype={self.dtype}, "
-                f"weight_format={self.weight_format!r}, softmax_scale={self.softmax_scale:.6g}")
+        return (
+            f"H={self.H}, P={self.P}, R={self.R}, L={self.L}, V={self.V}, "
+            f"q_lora_rank={self.q_lora_rank}, is_neox={self.is_neox}, dtype={self.dtype}, "
+            f"weight_format={self.weight_format!r}, softmax_scale={self.softmax_scale:.6g}"
+        )

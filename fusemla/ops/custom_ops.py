@@ -23,8 +23,20 @@ from fusemla.ops.prologue.args import PrologueArgs, PrologueSpec, split_scale
 
 #: the read tensors, in :func:`pack`'s order (None where absent: a plain weight's scale, float
 #: scales passed by value)
-_INS = ("q_nope", "q_pe", "kv_c", "k_pe", "w_data", "w_scale", "positions", "cos_cache",
-        "sin_cache", "slot_mapping", "kv_scale", "q_scale")
+_INS = (
+    "q_nope",
+    "q_pe",
+    "kv_c",
+    "k_pe",
+    "w_data",
+    "w_scale",
+    "positions",
+    "cos_cache",
+    "sin_cache",
+    "slot_mapping",
+    "kv_scale",
+    "q_scale",
+)
 #: the written tensors (the KV cache and the three outputs)
 _OUTS = ("kv_cache", "q", "q_pe_out", "k_pe_out")
 _ACT_QUANT_CODES = {None: 0, "fp8": 1}
@@ -35,15 +47,32 @@ def pack(args: PrologueArgs) -> tuple[list, list, list, list, str]:
     """``(ins, outs, ints, floats, w_format)``: what the registered op takes."""
     spec = args.spec
     w = spec.w_uk_t
-    w_data, w_scale, w_format = ((w, None, "") if isinstance(w, torch.Tensor)
-                                 else (w.data, w.scale, w.format))
+    w_data, w_scale, w_format = (
+        (w, None, "") if isinstance(w, torch.Tensor) else (w.data, w.scale, w.format)
+    )
     kv_t, kv_v = split_scale(args.kv_scale)
     q_t, q_v = split_scale(spec.q_scale)
-    ins = [args.q_nope, args.q_pe, args.kv_c, args.k_pe, w_data, w_scale, args.positions,
-           spec.cos_cache, spec.sin_cache, args.slot_mapping, kv_t, q_t]
+    ins = [
+        args.q_nope,
+        args.q_pe,
+        args.kv_c,
+        args.k_pe,
+        w_data,
+        w_scale,
+        args.positions,
+        spec.cos_cache,
+        spec.sin_cache,
+        args.slot_mapping,
+        kv_t,
+        q_t,
+    ]
     outs = [args.kv_cache, args.q, args.q_pe_out, args.k_pe_out]
-    ints = [args.num_decode_tokens, int(spec.is_neox), int(args.apply_rope),
-            _ACT_QUANT_CODES[spec.act_quant]]
+    ints = [
+        args.num_decode_tokens,
+        int(spec.is_neox),
+        int(args.apply_rope),
+        _ACT_QUANT_CODES[spec.act_quant],
+    ]
     return ins, outs, ints, [kv_v, q_v], w_format
 
 
@@ -60,21 +89,40 @@ def unpack(ins: list, outs: list, ints: list, floats: list, w_format: str) -> Pr
     else:
         w = i["w_data"]
     spec = PrologueSpec(
-        w_uk_t=w, cos_cache=i["cos_cache"], sin_cache=i["sin_cache"], is_neox=bool(is_neox),
+        w_uk_t=w,
+        cos_cache=i["cos_cache"],
+        sin_cache=i["sin_cache"],
+        is_neox=bool(is_neox),
         q_out_dtype=o["q"].dtype,
         q_scale=i["q_scale"] if i["q_scale"] is not None else q_v,
-        act_quant=_ACT_QUANT_OF_CODE[act_quant])
+        act_quant=_ACT_QUANT_OF_CODE[act_quant],
+    )
     return PrologueArgs(
-        spec=spec, q_nope=i["q_nope"], q_pe=i["q_pe"], kv_c=i["kv_c"], k_pe=i["k_pe"],
-        positions=i["positions"], kv_cache=o["kv_cache"], slot_mapping=i["slot_mapping"],
-        num_decode_tokens=num_decode_tokens, apply_rope=bool(apply_rope),
+        spec=spec,
+        q_nope=i["q_nope"],
+        q_pe=i["q_pe"],
+        kv_c=i["kv_c"],
+        k_pe=i["k_pe"],
+        positions=i["positions"],
+        kv_cache=o["kv_cache"],
+        slot_mapping=i["slot_mapping"],
+        num_decode_tokens=num_decode_tokens,
+        apply_rope=bool(apply_rope),
         kv_scale=i["kv_scale"] if i["kv_scale"] is not None else kv_v,
-        q=o["q"], q_pe_out=o["q_pe_out"], k_pe_out=o["k_pe_out"])
+        q=o["q"],
+        q_pe_out=o["q_pe_out"],
+        k_pe_out=o["k_pe_out"],
+    )
 
 
 @torch.library.custom_op("fusemla::mla_prologue", mutates_args=("outs",))
-def mla_prologue_op(ins: list[Optional[torch.Tensor]], outs: list[torch.Tensor],
-                    ints: list[int], floats: list[float], w_format: str) -> None:
+def mla_prologue_op(
+    ins: list[Optional[torch.Tensor]],
+    outs: list[torch.Tensor],
+    ints: list[int],
+    floats: list[float],
+    w_format: str,
+) -> None:
     """The fused prologue on arguments already validated by the public function."""
     from fusemla.ops.prologue.launch import run
 

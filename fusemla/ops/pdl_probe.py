@@ -31,5 +31,6 @@ def produce(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0, pdl: bool 
     n = src.numel()
     block = 1024
     opts = {"launch_pdl": True} if pdl else {}
-    pdl_producer_kernel[(triton.cdiv(n, block),)](src, dst, n, scale, BLOCK=block, USE_PDL=pdl,
-                                                  num_warps=4, **opts)
+    pdl_producer_kernel[(triton.cdiv(n, block),)](
+        src, dst, n, scale, BLOCK=block, USE_PDL=pdl, num_warps=4, **opts
+    )

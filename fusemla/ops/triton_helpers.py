@@ -7,8 +7,9 @@ import triton.language as tl
 
 
 @triton.jit
-def load_rope_halves(p_rows, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                     IS_NEOX: tl.constexpr):
+def load_rope_halves(
+    p_rows, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr
+):
     """The two halves of each rotary pair for rows ``p_rows`` ([ROWS] row pointers; lanes
     beyond ``2 * HALF`` and rows off ``m_rows`` read 0) as fp32 ``[ROWS, BLOCK_H]`` each:
     pair ``i`` is lanes (2i, 2i+1) interleaved (GPT-J, DeepSeek) or (i, i + HALF) NeoX.
@@ -30,8 +31,9 @@ def load_rope_halves(p_rows, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 
 
 @triton.jit
-def rotate_halves(x_a, x_b, pos, m_rows, p_cos, s_cos, p_sin, s_sin, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+def rotate_halves(
+    x_a, x_b, pos, m_rows, p_cos, s_cos, p_sin, s_sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+):
     """Rotate pairs (x_a, x_b) ([ROWS, BLOCK_H] fp32) by the angles of positions ``pos``
     ([ROWS] int64): ``(a cos - b sin, b cos + a sin)``, cos/sin rows read contiguously."""
     o_h = tl.arange(0, BLOCK_H)
@@ -42,8 +44,9 @@ def rotate_halves(x_a, x_b, pos, m_rows, p_cos, s_cos, p_sin, s_sin, HALF: tl.co
 
 
 @triton.jit
-def store_rope_halves(p_rows, y_a, y_b, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                      IS_NEOX: tl.constexpr):
+def store_rope_halves(
+    p_rows, y_a, y_b, m_rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr
+):
     """Store pairs (y_a, y_b) (already in the destination dtype) back into rows ``p_rows`` in
     the layout :func:`load_rope_halves` reads (rows off ``m_rows`` store nothing)."""
     o_h = tl.arange(0, BLOCK_H)

@@ -40,20 +40,25 @@ def _check_cache(kv_cache: object, kv_scale: Scale) -> torch.Tensor:
     kv_cache = _tensor("kv_cache", kv_cache)
     if kv_cache.dim() != 3:
         raise FuseMLAValueError(
-            f"kv_cache: expected shape [num_blocks, block_size, L+R], got {describe(kv_cache)}")
+            f"kv_cache: expected shape [num_blocks, block_size, L+R], got {describe(kv_cache)}"
+        )
     if kv_cache.dtype == torch.uint8:
-        raise FuseMLATypeError("kv_cache: view a uint8 cache as its FP8 type first, got "
-                               f"{describe(kv_cache)}")
+        raise FuseMLATypeError(
+            f"kv_cache: view a uint8 cache as its FP8 type first, got {describe(kv_cache)}"
+        )
     if kv_cache.dtype in FP8_DTYPES and kv_scale is None:
-        raise FuseMLAValueError(f"kv_scale: an FP8 kv_cache ({kv_cache.dtype}) needs kv_scale "
-                                "(a positive float or a 1-element fp32 tensor), got None")
+        raise FuseMLAValueError(
+            f"kv_scale: an FP8 kv_cache ({kv_cache.dtype}) needs kv_scale "
+            "(a positive float or a 1-element fp32 tensor), got None"
+        )
     if isinstance(kv_scale, torch.Tensor) and kv_scale.numel() != 1:
         raise FuseMLAValueError(f"kv_scale: expected a 1-element tensor, got {describe(kv_scale)}")
     return kv_cache
 
 
-def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scale: Scale,
-                   L: int) -> torch.Tensor:
+def gather_latents(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scale: Scale, L: int
+) -> torch.Tensor:
     """Every cache row of the blocks in ``block_table``, dequantized to fp32.
 
     ``kv_cache [num_blocks, block_size, L + R]`` (bf16/fp16/fp32, or FP8 with ``kv_scale``);
@@ -66,10 +71,12 @@ def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scale: 
     block_table = _tensor("block_table", block_table)
     if block_table.dim() != 2:
         raise FuseMLAValueError(
-            f"block_table: expected shape [num_reqs, max_blocks], got {describe(block_table)}")
+            f"block_table: expected shape [num_reqs, max_blocks], got {describe(block_table)}"
+        )
     if block_table.dtype not in (torch.int32, torch.int64):
         raise FuseMLATypeError(
-            f"block_table: expected dtype int32 or int64, got {describe(block_table)}")
+            f"block_table: expected dtype int32 or int64, got {describe(block_table)}"
+        )
     width = kv_cache.shape[-1]
     if not 0 < L < width:
         raise FuseMLAValueError(f"L: expected 0 < L < kv_cache.shape[-1] = {width}, got {L}")
@@ -86,8 +93,9 @@ def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scale: 
     return rows
 
 
-def _masked_softmax_av(scores: torch.Tensor, mask: torch.Tensor, values: torch.Tensor,
-                       eq: str) -> torch.Tensor:
+def _masked_softmax_av(
+    scores: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, eq: str
+) -> torch.Tensor:
     """``softmax(scores)`` over the keys where ``mask`` holds, then the weighted sum of
     ``values`` (``eq`` the einsum of weights and values). A query without any key gets zeros.
 
@@ -103,10 +111,16 @@ def _masked_softmax_av(scores: torch.Tensor, mask: torch.Tensor, values: torch.T
     return out / torch.where(denom > 0, denom, 1.0)
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, softmax_scale: float,
-                           kv_scale: Scale = None, *,
-                           kv_lora_rank: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: Scale = None,
+    *,
+    kv_lora_rank: int | None = None,
+) -> torch.Tensor:
     """Latent (absorbed, MQA-style) decode attention over a paged cache, in fp32.
 
     ``q [D, H, L + R]`` (bf16/fp16/fp32: the prologue's decode query ``[q_nope @ W_UK_T,
@@ -125,17 +139,21 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     if q.dim() != 3:
         raise FuseMLAValueError(f"q: expected shape [D, H, L+R], got {describe(q)}")
     if q.dtype not in _Q_DTYPES:
-        raise FuseMLATypeError(f"q: expected dtype bfloat16, float16 or float32 (dequantize an "
-                               f"FP8 query first), got {describe(q)}")
+        raise FuseMLATypeError(
+            f"q: expected dtype bfloat16, float16 or float32 (dequantize an "
+            f"FP8 query first), got {describe(q)}"
+        )
     kv_cache = _check_cache(kv_cache, kv_scale)
     D, _H, width = q.shape
     if kv_cache.shape[-1] != width:
-        raise FuseMLAValueError(f"kv_cache: expected last dim L+R = {width} (that of q), "
-                                f"got {describe(kv_cache)}")
+        raise FuseMLAValueError(
+            f"kv_cache: expected last dim L+R = {width} (that of q), got {describe(kv_cache)}"
+        )
     block_table = _tensor("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] != D:
         raise FuseMLAValueError(
-            f"block_table: expected shape [D={D}, max_blocks], got {describe(block_table)}")
+            f"block_table: expected shape [D={D}, max_blocks], got {describe(block_table)}"
+        )
     seq_lens = _tensor("seq_lens", seq_lens)
     if tuple(seq_lens.shape) != (D,):
         raise FuseMLAValueError(f"seq_lens: expected shape [D={D}], got {describe(seq_lens)}")
@@ -143,9 +161,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         raise FuseMLATypeError(f"seq_lens: expected dtype int32 or int64, got {describe(seq_lens)}")
     L = width - DEEPSEEK_ROPE_DIM if kv_lora_rank is None else kv_lora_rank
     if isinstance(L, bool) or not isinstance(L, int) or not 0 < L < width:
-        raise FuseMLAValueError(f"kv_lora_rank: expected an int in (0, L+R = {width}), got "
-                                f"{kv_lora_rank!r}" + (" (the default assumes R = 64)"
-                                                       if kv_lora_rank is None else ""))
+        raise FuseMLAValueError(
+            f"kv_lora_rank: expected an int in (0, L+R = {width}), got "
+            f"{kv_lora_rank!r}" + (" (the default assumes R = 64)" if kv_lora_rank is None else "")
+        )
     rows = gather_latents(kv_cache, block_table, kv_scale, L)  # [D, S, L+R]
     S = rows.shape[1]
     key_idx = torch.arange(S, device=q.device)
@@ -155,9 +174,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     return _masked_softmax_av(scores, valid[:, None, :], rows[..., :L], "dhs,dsl->dhl")
 
 
-def prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor,
-                      w_uk: torch.Tensor, w_uv: torch.Tensor, context_len: int,
-                      softmax_scale: float) -> torch.Tensor:
+def prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_rows: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    context_len: int,
+    softmax_scale: float,
+) -> torch.Tensor:
     """Causal, non-absorbed MLA attention of one request's new tokens, in fp32.
 
     ``q_nope [T, H, P]``, ``q_pe [T, H, R]`` (already rotated), ``kv_rows [S, L + R]`` (the
@@ -173,8 +198,13 @@ def prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.T
     Returns ``[T, H, V]`` fp32. Needs ``context_len + T <= S``. A query that attends to a
     non-finite key or value gets NaN; the other queries are unaffected.
     """
-    for name, x, rank in (("q_nope", q_nope, 3), ("q_pe", q_pe, 3), ("kv_rows", kv_rows, 2),
-                          ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
+    for name, x, rank in (
+        ("q_nope", q_nope, 3),
+        ("q_pe", q_pe, 3),
+        ("kv_rows", kv_rows, 2),
+        ("w_uk", w_uk, 3),
+        ("w_uv", w_uv, 3),
+    ):
         _tensor(name, x)
         if x.dim() != rank:
             raise FuseMLAValueError(f"{name}: expected a {rank}-D tensor, got {describe(x)}")
@@ -185,21 +215,24 @@ def prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.T
     S, width = kv_rows.shape
     L = width - R
     if tuple(w_uk.shape) != (H, P, L):
-        raise FuseMLAValueError(
-            f"w_uk: expected shape [H={H}, P={P}, L={L}], got {describe(w_uk)}")
+        raise FuseMLAValueError(f"w_uk: expected shape [H={H}, P={P}, L={L}], got {describe(w_uk)}")
     if w_uv.shape[:2] != (H, L):
         raise FuseMLAValueError(f"w_uv: expected shape [H={H}, L={L}, V], got {describe(w_uv)}")
     if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
         raise FuseMLAValueError(f"context_len: expected an int >= 0, got {context_len!r}")
     if context_len + T > S:
-        raise FuseMLAValueError(f"kv_rows: expected at least context_len + T = "
-                                f"{context_len + T} rows, got {describe(kv_rows)}")
+        raise FuseMLAValueError(
+            f"kv_rows: expected at least context_len + T = "
+            f"{context_len + T} rows, got {describe(kv_rows)}"
+        )
     rows = kv_rows.float()
     latent, k_pe = rows[:, :L], rows[:, L:]
     k_nope = torch.einsum("sl,hpl->shp", latent, w_uk.float())  # [S, H, P]
     v = torch.einsum("sl,hlv->shv", latent, w_uv.float())  # [S, H, V]
-    scores = (torch.einsum("thp,shp->ths", q_nope.float(), k_nope)
-              + torch.einsum("thr,sr->ths", q_pe.float(), k_pe)) * softmax_scale
+    scores = (
+        torch.einsum("thp,shp->ths", q_nope.float(), k_nope)
+        + torch.einsum("thr,sr->ths", q_pe.float(), k_pe)
+    ) * softmax_scale
     q_pos = context_len + torch.arange(T, device=rows.device)
     causal = (torch.arange(S, device=rows.device)[None, :] <= q_pos[:, None])[:, None, :]
     # A weight of 0 times a non-finite value is NaN: keep such values out of the product and

@@ -98,8 +98,9 @@ def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
     first = torch.argmax(valid.to(torch.int32)).view(1)
     any_valid = valid.index_select(0, first)
     target = torch.where(any_valid, slots.index_select(0, first).clamp(0, n - 1), 0)
-    fill = torch.where(any_valid[:, None], rows.index_select(0, first),
-                       cache[target // bs, target % bs])
+    fill = torch.where(
+        any_valid[:, None], rows.index_select(0, first), cache[target // bs, target % bs]
+    )
     idx = torch.where(valid, slots, target[0])
     vals = torch.where(valid[:, None], rows, fill)
     cache.index_put_((idx // bs, idx % bs), vals)
@@ -127,8 +128,9 @@ def prologue_into(args: PrologueArgs) -> None:
     # 3. concat into the 576-wide decode query (FP8: one scale for both halves)
     if D > 0:
         if q_fp8:
-            q.copy_(quantize_fp8(torch.cat([ql_nope.float(), q_pe[:D]], dim=-1), args.q_scale,
-                                 q.dtype))
+            q.copy_(
+                quantize_fp8(torch.cat([ql_nope.float(), q_pe[:D]], dim=-1), args.q_scale, q.dtype)
+            )
         else:
             q[..., :L] = ql_nope
             q[..., L:] = q_pe[:D].to(dtype)
@@ -138,8 +140,9 @@ def prologue_into(args: PrologueArgs) -> None:
     # 4. paged KV-cache write, every token
     cache = args.kv_cache
     if cache.dtype in FP8_DTYPES:
-        rows = quantize_fp8(torch.cat([args.kv_c.float(), k_pe], dim=-1), args.kv_scale,
-                            cache.dtype)
+        rows = quantize_fp8(
+            torch.cat([args.kv_c.float(), k_pe], dim=-1), args.kv_scale, cache.dtype
+        )
     else:
         rows = torch.cat([args.kv_c.to(cache.dtype), k_pe.to(cache.dtype)], dim=-1)
     write_cache_rows(cache, args.slot_mapping, rows)
@@ -164,12 +167,15 @@ def mla_decode_prologue_ref(*args, **kwargs) -> torch.Tensor:
     """:func:`mla_prologue_ref` for an all-decode batch (``num_decode_tokens`` is not taken);
     returns ``q [N, H, L + R]``."""
     if "num_decode_tokens" in kwargs:
-        raise TypeError("mla_decode_prologue_ref() got an unexpected keyword argument "
-                        "'num_decode_tokens'")
+        raise TypeError(
+            "mla_decode_prologue_ref() got an unexpected keyword argument 'num_decode_tokens'"
+        )
     return mla_prologue_ref(*args, **kwargs).q
 
 
 mla_prologue_ref.__signature__ = inspect.signature(prepare).replace(
-    return_annotation=PrologueOutput)
+    return_annotation=PrologueOutput
+)
 mla_prologue_step_ref.__signature__ = inspect.signature(prepare_step).replace(
-    return_annotation=PrologueOutput)
+    return_annotation=PrologueOutput
+)

@@ -26,8 +26,23 @@ from fusemla.testing.inputs import (
 )
 
 __all__ = [
-    "DEEPSEEK_V3", "FP8_NAN_BYTE", "SMALL_DIMS", "TOL", "Comparison", "PrologueInputs",
-    "check_against_reference", "compare", "fp8_ordinal", "make_inputs", "poisoned",
-    "poisoned_cache", "prologue_model_f64", "rel_err", "rope_f64", "run_and_compare",
-    "scale_value", "stable_seed", "weight_kind",
+    "DEEPSEEK_V3",
+    "FP8_NAN_BYTE",
+    "SMALL_DIMS",
+    "TOL",
+    "Comparison",
+    "PrologueInputs",
+    "check_against_reference",
+    "compare",
+    "fp8_ordinal",
+    "make_inputs",
+    "poisoned",
+    "poisoned_cache",
+    "prologue_model_f64",
+    "rel_err",
+    "rope_f64",
+    "run_and_compare",
+    "scale_value",
+    "stable_seed",
+    "weight_kind",
 ]

@@ -22,7 +22,7 @@ TOL = {
     # relative L2 error of q[..., :L] vs the float64 model (unquantized weight), per weight format
     "weight_rel_l2": {"fp8": 0.05, "mxfp4": 0.2},
     # an FP8 e4m3 value is within 2^-4 (half an ulp at 3 mantissa bits) of what it rounds
-    "fp8_rel": 2.0 ** -4,
+    "fp8_rel": 2.0**-4,
     # FP8 query output: share of codes allowed one step from the reference's
     "fp8_q_off_by_one_share": 0.01,
     # FP8 query output, dequantized, vs the bf16 query (relative L2), per weight format
@@ -95,14 +95,23 @@ def _within_ulp(got, want, dtype, slack):
 
 
 def weight_kind(w: Any) -> str:
-    """"plain", "fp8" or "mxfp4" (keys of the per-format tolerances in :data:`TOL`)."""
+    """ "plain", "fp8" or "mxfp4" (keys of the per-format tolerances in :data:`TOL`)."""
     return "plain" if w is None or isinstance(w, torch.Tensor) else w.format
 
 
-def compare(inp: PrologueInputs, out: Any, out_ref: Any, cache: torch.Tensor,
-            cache_ref: torch.Tensor, cache_before: torch.Tensor, *, is_neox: bool = False,
-            rope_applied: bool = False, w_uk_t: Any = None,
-            fp8_code_slack: int | None = None) -> Comparison:
+def compare(
+    inp: PrologueInputs,
+    out: Any,
+    out_ref: Any,
+    cache: torch.Tensor,
+    cache_ref: torch.Tensor,
+    cache_before: torch.Tensor,
+    *,
+    is_neox: bool = False,
+    rope_applied: bool = False,
+    w_uk_t: Any = None,
+    fp8_code_slack: int | None = None,
+) -> Comparison:
     """Check a fused result against the reference's on the same inputs.
 
     ``out`` / ``out_ref``: a :class:`~fusemla.ops.prologue.args.PrologueOutput` (or just the
@@ -130,12 +139,15 @@ def compare(inp: PrologueInputs, out: Any, out_ref: Any, cache: torch.Tensor,
     N, H, P = inp.q_nope.shape
     D, L, R = inp.D, inp.kv_c.shape[1], inp.q_pe.shape[-1]
     kind = weight_kind(w_uk_t)
-    w_eff = inp.w_uk_t if w_uk_t is None or isinstance(w_uk_t, torch.Tensor) else (
-        w_uk_t.dequantize(torch.float32))
+    w_eff = (
+        inp.w_uk_t
+        if w_uk_t is None or isinstance(w_uk_t, torch.Tensor)
+        else (w_uk_t.dequantize(torch.float32))
+    )
     model = prologue_model_f64(inp, is_neox, rope_applied)
     pos = inp.positions.long().clamp(0, inp.cos_cache.shape[0] - 1)
     cos, sin = inp.cos_cache[pos].float().cpu(), inp.sin_cache[pos].float().cpu()
-    acc = 2.0 ** -24
+    acc = 2.0**-24
 
     # ---- q (decode tokens) -------------------------------------------------------------------
     if tuple(q.shape) != (D, H, L + R):
@@ -151,46 +163,86 @@ def compare(inp: PrologueInputs, out: Any, out_ref: Any, cache: torch.Tensor,
             problems.append(f"q: {n_nan} of {qcf.numel()} values are NaN (not written?)")
         diff = (qcf - qrf).abs().nan_to_num(nan=float("inf"))
         m["q_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
-        s_nope = torch.bmm(inp.q_nope[:D].abs().float().transpose(0, 1),
-                           w_eff.abs().float()).transpose(0, 1).cpu()
+        s_nope = (
+            torch.bmm(inp.q_nope[:D].abs().float().transpose(0, 1), w_eff.abs().float())
+            .transpose(0, 1)
+            .cpu()
+        )
         q_in = inp.q_pe[:D].cpu()
-        s_rope = (torch.zeros(q_in.shape) if rope_applied else
-                  _rope_magnitude(q_in, cos[:D, None], sin[:D, None], is_neox))
+        s_rope = (
+            torch.zeros(q_in.shape)
+            if rope_applied
+            else _rope_magnitude(q_in, cos[:D, None], sin[:D, None], is_neox)
+        )
         slack = torch.cat([2 * P * acc * s_nope, 4 * acc * s_rope], dim=-1)
         bad = ~_within_ulp(qcf, qrf, act, slack)
         n_bad = int(bad.sum()) - n_nan
         if n_bad > 0:
-            problems.append(f"q: {n_bad} of {qcf.numel()} values differ from the reference by "
-                            f"more than 1 ulp (max |fused - ref| = {m['q_max_abs_diff']:.3g})")
-        tols = {"nope": TOL["weight_rel_l2"].get(kind, TOL["rel_l2"][act]),
-                "rope": TOL["rel_l2"][act]}
+            problems.append(
+                f"q: {n_bad} of {qcf.numel()} values differ from the reference by "
+                f"more than 1 ulp (max |fused - ref| = {m['q_max_abs_diff']:.3g})"
+            )
+        tols = {
+            "nope": TOL["weight_rel_l2"].get(kind, TOL["rel_l2"][act]),
+            "rope": TOL["rel_l2"][act],
+        }
         for part, sl in (("nope", slice(0, L)), ("rope", slice(L, L + R))):
             m[f"q_rel_{part}"] = rel_err(qcf[..., sl], model["q"][..., sl])
             if qcf.numel() and not m[f"q_rel_{part}"] < tols[part]:
-                problems.append(f"q[..., {part}]: relative L2 error vs float64 "
-                                f"{m[f'q_rel_{part}']:.3g} >= {tols[part]:g}")
+                problems.append(
+                    f"q[..., {part}]: relative L2 error vs float64 "
+                    f"{m[f'q_rel_{part}']:.3g} >= {tols[part]:g}"
+                )
 
     # ---- prefill tokens' rotated q_pe and k_pe -----------------------------------------------
     if q_pe_out is not None and N > D:
         for name, got, want, x, c, s, ref64 in (
-                ("q_pe_out", q_pe_out, q_pe_ref, inp.q_pe[D:], cos[D:, None], sin[D:, None],
-                 model["q_pe"][D:]),
-                ("k_pe_out", k_pe_out, k_pe_ref, inp.k_pe.reshape(N, R)[D:], cos[D:], sin[D:],
-                 model["k_pe"][D:])):
+            (
+                "q_pe_out",
+                q_pe_out,
+                q_pe_ref,
+                inp.q_pe[D:],
+                cos[D:, None],
+                sin[D:, None],
+                model["q_pe"][D:],
+            ),
+            (
+                "k_pe_out",
+                k_pe_out,
+                k_pe_ref,
+                inp.k_pe.reshape(N, R)[D:],
+                cos[D:],
+                sin[D:],
+                model["k_pe"][D:],
+            ),
+        ):
             got, want = got.detach().float().cpu(), want.detach().float().cpu()
             slack = 0.0 if rope_applied else 4 * acc * _rope_magnitude(x.cpu(), c, s, is_neox)
             n_bad = int((~_within_ulp(got, want, act, slack)).sum())
             if n_bad:
-                problems.append(f"{name}: {n_bad} of {got.numel()} values differ from the "
-                                "reference by more than 1 ulp (or NaN)")
+                problems.append(
+                    f"{name}: {n_bad} of {got.numel()} values differ from the "
+                    "reference by more than 1 ulp (or NaN)"
+                )
             m[f"{name}_rel"] = rel_err(got, ref64)
             if not m[f"{name}_rel"] < TOL["rel_l2"][act]:
                 problems.append(f"{name}: relative L2 error vs float64 {m[f'{name}_rel']:.3g}")
 
     # ---- cache -------------------------------------------------------------------------------
     slack = (1 if gpu else 0) if fp8_code_slack is None else fp8_code_slack
-    _compare_cache(res, inp, cache, cache_ref, cache_before, model["rows"], cos, sin, is_neox,
-                   rope_applied, slack)
+    _compare_cache(
+        res,
+        inp,
+        cache,
+        cache_ref,
+        cache_before,
+        model["rows"],
+        cos,
+        sin,
+        is_neox,
+        rope_applied,
+        slack,
+    )
     return res
 
 
@@ -205,14 +257,28 @@ def _compare_fp8_q(res: Comparison, qc: torch.Tensor, qr: torch.Tensor) -> None:
         res.problems.append("q: NaN codes (not written?)")
     step = (fp8_ordinal(qc) - fp8_ordinal(qr)).abs()
     res.metrics["q_fp8_codes_off"] = int((step > 0).sum())
-    if step.numel() and (int(step.max()) > 1 or float((step > 0).float().mean())
-                         > TOL["fp8_q_off_by_one_share"]):
-        res.problems.append(f"q: FP8 codes differ from the reference by up to {int(step.max())} "
-                            f"steps in {int((step > 0).sum())} of {step.numel()} values")
+    if step.numel() and (
+        int(step.max()) > 1 or float((step > 0).float().mean()) > TOL["fp8_q_off_by_one_share"]
+    ):
+        res.problems.append(
+            f"q: FP8 codes differ from the reference by up to {int(step.max())} "
+            f"steps in {int((step > 0).sum())} of {step.numel()} values"
+        )
 
 
-def _compare_cache(res: Comparison, inp: PrologueInputs, cache, cache_ref, cache_before, rows64,
-                   cos, sin, is_neox: bool, rope_applied: bool, code_slack: int) -> None:
+def _compare_cache(
+    res: Comparison,
+    inp: PrologueInputs,
+    cache,
+    cache_ref,
+    cache_before,
+    rows64,
+    cos,
+    sin,
+    is_neox: bool,
+    rope_applied: bool,
+    code_slack: int,
+) -> None:
     m, problems = res.metrics, res.problems
     L = inp.kv_c.shape[1]
     N = inp.q_nope.shape[0]
@@ -228,7 +294,7 @@ def _compare_cache(res: Comparison, inp: PrologueInputs, cache, cache_ref, cache
     written[slots] = True
     m["rows_valid"] = int(slots.numel())
     m["rows_padding"] = int((~valid).sum())
-    stray = (flat[~written].view(torch.uint8) != flat_before[~written].view(torch.uint8))
+    stray = flat[~written].view(torch.uint8) != flat_before[~written].view(torch.uint8)
     n_stray = int(stray.any(dim=-1).sum())
     if n_stray:
         problems.append(f"cache: {n_stray} rows outside the valid slots were modified")
@@ -258,9 +324,10 @@ def _compare_cache(res: Comparison, inp: PrologueInputs, cache, cache_ref, cache
             problems.append("cache: FP8 values beyond the format's max (not saturated)")
     else:
         k_pe = inp.k_pe.reshape(N, inp.q_pe.shape[-1]).cpu()
-        s_k = (torch.zeros(k_pe.shape) if rope_applied
-               else _rope_magnitude(k_pe, cos, sin, is_neox))[valid]
-        ok = _within_ulp(got[:, L:], want[:, L:], cache.dtype, 4 * 2.0 ** -24 * s_k)
+        s_k = (
+            torch.zeros(k_pe.shape) if rope_applied else _rope_magnitude(k_pe, cos, sin, is_neox)
+        )[valid]
+        ok = _within_ulp(got[:, L:], want[:, L:], cache.dtype, 4 * 2.0**-24 * s_k)
         row_ok = latent_ok & ok.all(dim=-1)
         m["cache_rel"] = rel_err(got, ref_rows)
         cache_tol = TOL["rel_l2"].get(cache.dtype, 8e-3)
@@ -268,26 +335,52 @@ def _compare_cache(res: Comparison, inp: PrologueInputs, cache, cache_ref, cache
     n_bad_rows = int((~row_ok).sum())
     if n_bad_rows:
         first = int(slots[~row_ok][0])
-        problems.append(f"cache: {n_bad_rows} of {slots.numel()} written rows differ from the "
-                        f"reference (first: slot {first})")
+        problems.append(
+            f"cache: {n_bad_rows} of {slots.numel()} written rows differ from the "
+            f"reference (first: slot {first})"
+        )
     if not m["cache_rel"] < cache_tol:
-        problems.append(f"cache: relative L2 error of the written rows vs float64 "
-                        f"{m['cache_rel']:.3g} >= {cache_tol:g}")
+        problems.append(
+            f"cache: relative L2 error of the written rows vs float64 "
+            f"{m['cache_rel']:.3g} >= {cache_tol:g}"
+        )
 
 
-def check_against_reference(inp: PrologueInputs, out: Any, cache_before: torch.Tensor, *,
-                            is_neox: bool = False, rope_applied: bool = False,
-                            w_uk_t: Any = None, **kw: Any) -> Comparison:
+def check_against_reference(
+    inp: PrologueInputs,
+    out: Any,
+    cache_before: torch.Tensor,
+    *,
+    is_neox: bool = False,
+    rope_applied: bool = False,
+    w_uk_t: Any = None,
+    **kw: Any,
+) -> Comparison:
     """Run the unfused reference on ``inp`` (from ``cache_before``) and :func:`compare` to
     ``out`` and ``inp.kv_cache`` (the fused op's results on ``inp``). ``kw`` goes to both
     calls' other keywords (``q_out_dtype``, ``q_scale`` ...)."""
     from fusemla.reference.prologue import mla_prologue_ref
 
     cache_ref = cache_before.clone()
-    out_ref = inp.run(mla_prologue_ref, kv_cache=cache_ref, w_uk_t=w_uk_t, is_neox=is_neox,
-                      rope_applied=rope_applied, **kw)
-    return compare(inp, out, out_ref, inp.kv_cache, cache_ref, cache_before, is_neox=is_neox,
-                   rope_applied=rope_applied, w_uk_t=w_uk_t)
+    out_ref = inp.run(
+        mla_prologue_ref,
+        kv_cache=cache_ref,
+        w_uk_t=w_uk_t,
+        is_neox=is_neox,
+        rope_applied=rope_applied,
+        **kw,
+    )
+    return compare(
+        inp,
+        out,
+        out_ref,
+        inp.kv_cache,
+        cache_ref,
+        cache_before,
+        is_neox=is_neox,
+        rope_applied=rope_applied,
+        w_uk_t=w_uk_t,
+    )
 
 
 _OUTPUT_BUFFERS = ("out", "q_pe_out", "k_pe_out")

@@ -52,27 +52,52 @@ __all__ = [
 ]
 
 #: small MLA dims: hidden 64, H=4 heads, P=32 (qk_nope), R=16 (qk_rope), L=64 (kv_lora), V=32
-TINY_DIMS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "kv_lora_rank": 64, "v_head_dim": 32}
+TINY_DIMS = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "kv_lora_rank": 64,
+    "v_head_dim": 32,
+}
 
 #: DeepSeek-V3's RoPE settings (its config.json), in transformers 5's ``rope_parameters`` form
-DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                    "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                    "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK_V3_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
-def tiny_deepseek_v3_config(*, q_lora_rank: int | None = 48,
-                            max_position_embeddings: int = 4096 * 40,
-                            **overrides) -> DeepseekV3Config:
+def tiny_deepseek_v3_config(
+    *, q_lora_rank: int | None = 48, max_position_embeddings: int = 4096 * 40, **overrides
+) -> DeepseekV3Config:
     """A tiny ``DeepseekV3Config`` (:data:`TINY_DIMS`, DeepSeek YaRN, interleaved RoPE, eager
     attention, no attention bias). ``q_lora_rank=None`` gives the ``q_proj`` variant
     (DeepSeek-V2-Lite style). ``overrides`` replace any config field."""
     kw = dict(TINY_DIMS)
-    kw.update(q_lora_rank=q_lora_rank, max_position_embeddings=max_position_embeddings,
-              rope_parameters=dict(DEEPSEEK_V3_YARN), rope_interleave=True,
-              attention_bias=False, attention_dropout=0.0, num_hidden_layers=1,
-              vocab_size=128, intermediate_size=128, moe_intermediate_size=32,
-              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    kw.update(
+        q_lora_rank=q_lora_rank,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters=dict(DEEPSEEK_V3_YARN),
+        rope_interleave=True,
+        attention_bias=False,
+        attention_dropout=0.0,
+        num_hidden_layers=1,
+        vocab_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
     kw.update(overrides)
     config = DeepseekV3Config(**kw)
     config._attn_implementation = "eager"
@@ -87,13 +112,15 @@ class HFAttention:
     attn: DeepseekV3Attention
     rotary: DeepseekV3RotaryEmbedding
 
-    def outputs(self, hidden_seq: torch.Tensor, start: int = 0,
-                cache: LatentRoundTrip | None = None) -> torch.Tensor:
+    def outputs(
+        self, hidden_seq: torch.Tensor, start: int = 0, cache: LatentRoundTrip | None = None
+    ) -> torch.Tensor:
         """:func:`hf_attention_outputs` with this module."""
         return hf_attention_outputs(self.attn, self.rotary, hidden_seq, start, cache=cache)
 
-    def random_hidden(self, length: int, generator: torch.Generator,
-                      scale: float = 1.0) -> torch.Tensor:
+    def random_hidden(
+        self, length: int, generator: torch.Generator, scale: float = 1.0
+    ) -> torch.Tensor:
         """``[length, hidden]`` fp32 N(0, scale^2) hidden states, bf16-representable (so a bf16
         layer receives exactly what this fp32 reference receives)."""
         x = torch.randn(length, self.config.hidden_size, generator=generator) * scale
@@ -104,8 +131,9 @@ def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
-def make_hf_attention(config: DeepseekV3Config | None = None, *, seed: int = 0,
-                      norm_weight_spread: float = 0.1) -> HFAttention:
+def make_hf_attention(
+    config: DeepseekV3Config | None = None, *, seed: int = 0, norm_weight_spread: float = 0.1
+) -> HFAttention:
     """An fp32 ``DeepseekV3Attention`` with random, bf16-representable weights.
 
     Each linear weight is N(0, 1/fan_in) (activations stay O(1): q and k entries ~N(0, 1), so the
@@ -128,8 +156,9 @@ def make_hf_attention(config: DeepseekV3Config | None = None, *, seed: int = 0,
     return HFAttention(config, attn, rotary)
 
 
-def fp8_round_trip(x: torch.Tensor, kv_scale: float,
-                   dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+def fp8_round_trip(
+    x: torch.Tensor, kv_scale: float, dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
     """What an FP8 cache gives back for ``x``: ``fp8(saturate(x / kv_scale)) * kv_scale``.
 
     ``x`` is divided by the fp32 scale in fp32 (IEEE division), clamped to the format's finite
@@ -164,24 +193,31 @@ class LatentRoundTrip:
     #: (e.g. the rows another implementation wrote to its cache, dequantized)
     replace: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def update(self, kv_nope: torch.Tensor, k_rot: torch.Tensor, layer_idx: int = 0,
-               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, kv_nope: torch.Tensor, k_rot: torch.Tensor, layer_idx: int = 0, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls += 1
         self.kv_c, self.k_pe = kv_nope.detach().clone(), k_rot.detach().clone()
         if self.replace is not None:
             kv_c, k_pe = self.replace
             if kv_c.shape != kv_nope.shape[2:] or k_pe.shape != k_rot.shape[2:]:
-                raise ValueError(f"LatentRoundTrip.replace: expected kv_c "
-                                 f"{list(kv_nope.shape[2:])} and k_pe {list(k_rot.shape[2:])}, "
-                                 f"got {list(kv_c.shape)} and {list(k_pe.shape)}")
-            return (kv_c.to(kv_nope.dtype).expand_as(kv_nope),
-                    deinterleave_rope(k_pe).to(k_rot.dtype).expand_as(k_rot))
+                raise ValueError(
+                    f"LatentRoundTrip.replace: expected kv_c "
+                    f"{list(kv_nope.shape[2:])} and k_pe {list(k_rot.shape[2:])}, "
+                    f"got {list(kv_c.shape)} and {list(k_pe.shape)}"
+                )
+            return (
+                kv_c.to(kv_nope.dtype).expand_as(kv_nope),
+                deinterleave_rope(k_pe).to(k_rot.dtype).expand_as(k_rot),
+            )
         if self.kv_dtype is None:
             return kv_nope, k_rot
         if self.kv_scale is None:
             raise ValueError("LatentRoundTrip: an FP8 kv_dtype needs a kv_scale")
-        return (fp8_round_trip(kv_nope, self.kv_scale, self.kv_dtype),
-                fp8_round_trip(k_rot, self.kv_scale, self.kv_dtype))
+        return (
+            fp8_round_trip(kv_nope, self.kv_scale, self.kv_dtype),
+            fp8_round_trip(k_rot, self.kv_scale, self.kv_dtype),
+        )
 
 
 def causal_mask(length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -192,9 +228,14 @@ def causal_mask(length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 @torch.no_grad()
-def hf_attention_outputs(attn: DeepseekV3Attention, rotary: DeepseekV3RotaryEmbedding,
-                         hidden_seq: torch.Tensor, start: int = 0, *,
-                         cache: LatentRoundTrip | None = None) -> torch.Tensor:
+def hf_attention_outputs(
+    attn: DeepseekV3Attention,
+    rotary: DeepseekV3RotaryEmbedding,
+    hidden_seq: torch.Tensor,
+    start: int = 0,
+    *,
+    cache: LatentRoundTrip | None = None,
+) -> torch.Tensor:
     """HF's attention output (after ``o_proj``) at positions ``start .. S-1`` of one request.
 
     ``hidden_seq [S, hidden]``: the request's hidden states at positions ``0 .. S-1``; they are
@@ -210,8 +251,12 @@ def hf_attention_outputs(attn: DeepseekV3Attention, rotary: DeepseekV3RotaryEmbe
     x = hidden_seq.to(dtype)[None]  # [1, S, hidden]
     position_ids = torch.arange(S)[None]
     cos, sin = rotary(x, position_ids)
-    out, _ = attn(x, position_embeddings=(cos, sin), attention_mask=causal_mask(S, dtype),
-                  past_key_values=cache)
+    out, _ = attn(
+        x,
+        position_embeddings=(cos, sin),
+        attention_mask=causal_mask(S, dtype),
+        past_key_values=cache,
+    )
     return out[0, start:]
 
 

@@ -52,11 +52,22 @@ class PrologueInputs:
         return self.q_nope.shape[0] if self.num_decode_tokens is None else self.num_decode_tokens
 
     def args(self) -> tuple:
-        return (self.q_nope, self.q_pe, self.kv_c, self.k_pe, self.w_uk_t, self.positions,
-                self.cos_cache, self.sin_cache, self.kv_cache, self.slot_mapping)
+        return (
+            self.q_nope,
+            self.q_pe,
+            self.kv_c,
+            self.k_pe,
+            self.w_uk_t,
+            self.positions,
+            self.cos_cache,
+            self.sin_cache,
+            self.kv_cache,
+            self.slot_mapping,
+        )
 
-    def run(self, fn: Callable, *, kv_cache: torch.Tensor | None = None,
-            w_uk_t: Any = None, **kw: Any) -> Any:
+    def run(
+        self, fn: Callable, *, kv_cache: torch.Tensor | None = None, w_uk_t: Any = None, **kw: Any
+    ) -> Any:
         """``fn(*args, num_decode_tokens=..., kv_scale=..., **kw)`` (an ``mla_prologue`` or its
         reference), optionally on another cache or weight."""
         args = list(self.args())
@@ -68,8 +79,9 @@ class PrologueInputs:
         return fn(*args, num_decode_tokens=self.num_decode_tokens, **kw)
 
 
-def poisoned_cache(num_blocks: int, block_size: int, width: int, dtype: torch.dtype,
-                   device: str | torch.device) -> torch.Tensor:
+def poisoned_cache(
+    num_blocks: int, block_size: int, width: int, dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
     """A ``[num_blocks, block_size, width]`` cache filled with NaN (NaN bytes for FP8)."""
     return poisoned((num_blocks, block_size, width), dtype, device)
 
@@ -119,7 +131,7 @@ def make_inputs(
 
     q = randn(B, H, P + R)
     kv_a = randn(B, L + R)
-    w_uk_t = randn(H, P, L, scale=P ** -0.5)
+    w_uk_t = randn(H, P, L, scale=P**-0.5)
     positions = torch.randint(0, max_position, (B,), generator=g).to(index_dtype)
     angles = torch.rand(max_position, R // 2, generator=g, dtype=torch.float64) * 6.3
     mscale = 1.0 + 0.1 * torch.rand((), generator=g, dtype=torch.float64)
@@ -135,21 +147,37 @@ def make_inputs(
     scale_value = None
     if kv_dtype in FP8_NAN_BYTE:
         # max |x| of a randn row is about 4-5; choose a scale that saturates the tail
-        scale_value = 4.0 / FP8_FORMATS[kv_dtype].max * (0.8 + 0.2 * float(torch.rand((), generator=g)))
+        scale_value = (
+            4.0 / FP8_FORMATS[kv_dtype].max * (0.8 + 0.2 * float(torch.rand((), generator=g)))
+        )
         if outliers and B > 0:
             big = 8.0 * FP8_FORMATS[kv_dtype].max * scale_value
             kv_a[0, 0] = big
             kv_a[0, L + 1] = -big
     if kv_scale in ("auto", "tensor"):
-        kv_scale = (None if scale_value is None else
-                    torch.tensor([scale_value], dtype=torch.float32, device=dev)
-                    if kv_scale == "tensor" else scale_value)
+        kv_scale = (
+            None
+            if scale_value is None
+            else torch.tensor([scale_value], dtype=torch.float32, device=dev)
+            if kv_scale == "tensor"
+            else scale_value
+        )
     kv_cache = poisoned_cache(num_blocks, block_size, L + R, kv_dtype, dev)
     q, kv_a = q.to(dev), kv_a.to(dev)
     return PrologueInputs(
-        q[..., :P], q[..., P:], kv_a[:, :L], kv_a[:, L:], w_uk_t.to(dev), positions.to(dev),
-        cos_cache.to(dev), sin_cache.to(dev), kv_cache, slots.to(index_dtype).to(dev), kv_scale,
-        num_decode_tokens)
+        q[..., :P],
+        q[..., P:],
+        kv_a[:, :L],
+        kv_a[:, L:],
+        w_uk_t.to(dev),
+        positions.to(dev),
+        cos_cache.to(dev),
+        sin_cache.to(dev),
+        kv_cache,
+        slots.to(index_dtype).to(dev),
+        kv_scale,
+        num_decode_tokens,
+    )
 
 
 def rope_f64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -162,8 +190,12 @@ def rope_f64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: boo
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
-def prologue_model_f64(inp: PrologueInputs, is_neox: bool, rope_applied: bool = False,
-                       w_uk_t: torch.Tensor | None = None) -> dict:
+def prologue_model_f64(
+    inp: PrologueInputs,
+    is_neox: bool,
+    rope_applied: bool = False,
+    w_uk_t: torch.Tensor | None = None,
+) -> dict:
     """Float64 model of the prologue before any rounding, on the CPU.
 
     Returns ``q [D, H, L+R]``, ``q_pe [N, H, R]`` (rotated), ``k_pe [N, R]`` (rotated) and
@@ -181,5 +213,9 @@ def prologue_model_f64(inp: PrologueInputs, is_neox: bool, rope_applied: bool = 
         k_rot = rope_f64(k_pe, cos, sin, is_neox)
     w = inp.w_uk_t if w_uk_t is None else w_uk_t
     ql = torch.einsum("bhp,hpl->bhl", inp.q_nope[:D].double(), w.double())
-    return dict(q=torch.cat([ql, q_pe[:D]], dim=-1).cpu(), q_pe=q_pe.cpu(), k_pe=k_rot.cpu(),
-                rows=torch.cat([inp.kv_c.double(), k_rot], dim=-1).cpu())
+    return dict(
+        q=torch.cat([ql, q_pe[:D]], dim=-1).cpu(),
+        q_pe=q_pe.cpu(),
+        k_pe=k_rot.cpu(),
+        rows=torch.cat([inp.kv_c.double(), k_rot], dim=-1).cpu(),
+    )

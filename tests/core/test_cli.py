@@ -16,8 +16,14 @@ from fusemla.reference.prologue import mla_prologue_ref
 def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the CLI must choose the interpreter by itself
-    return subprocess.run([sys.executable, "-m", "fusemla", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "fusemla", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_demo_cpu_runs_the_interpreter_and_agrees(device):

@@ -11,11 +11,11 @@ from fusemla.testing import SMALL_DIMS as SMALL
 from fusemla.testing import compare, make_inputs
 
 
-
 def _pair(kv_dtype=None, seed=0, D=None):
     g = torch.Generator().manual_seed(seed)
-    inp = make_inputs(8, **SMALL, kv_dtype=kv_dtype, pad_fraction=0.3, generator=g,
-                      num_decode_tokens=D)
+    inp = make_inputs(
+        8, **SMALL, kv_dtype=kv_dtype, pad_fraction=0.3, generator=g, num_decode_tokens=D
+    )
     before = inp.kv_cache.clone()
     cache_a, cache_b = inp.kv_cache.clone(), inp.kv_cache.clone()
     q_a = inp.run(mla_prologue_ref, kv_cache=cache_a)
@@ -75,7 +75,7 @@ def test_compare_catches_wrong_rope_everywhere():
     """A systematic error (rope skipped) fails the float64 check as well as the elementwise one."""
     inp, q, q_ref, cache, cache_ref, before = _pair()
     q = q.clone()
-    q[..., SMALL["L"]:] = inp.q_pe
+    q[..., SMALL["L"] :] = inp.q_pe
     res = compare(inp, q, q_ref, cache, cache_ref, before)
     assert any("q[..., rope]" in p for p in res.problems), res.problems
 
@@ -105,7 +105,7 @@ def test_compare_fp8_one_code_ok_two_codes_not():
     bs = cache.shape[1]
     raw = cache.view(torch.uint8)[slot // bs, slot % bs]
     # a column whose code can move by two in magnitude without leaving the finite range
-    col = SMALL["L"] + int(((raw[SMALL["L"]:] & 0x7F) < 0x7C).nonzero()[0])  # the rope part
+    col = SMALL["L"] + int(((raw[SMALL["L"] :] & 0x7F) < 0x7C).nonzero()[0])  # the rope part
     raw[col] += 1
     res = compare(inp, q, q_ref, cache, cache_ref, before, fp8_code_slack=1)  # the GPU's slack
     assert res.ok, res.problems
@@ -144,8 +144,6 @@ def test_compare_catches_stray_and_missing_writes():
     res = compare(inp, q, q_ref, cache, cache_ref, before)
     assert any("outside the valid slots were modified" in p for p in res.problems), res.problems
     assert any(p.startswith("cache: 1 of") for p in res.problems), res.problems
-
-
 
 
 def test_compare_prefill_outputs():

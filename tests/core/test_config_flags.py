@@ -22,8 +22,9 @@ def _clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.parametrize("literal, which", [("FUSEMLA_FUSED_DECODE", 0),
-                                             ("FUSEMLA_FUSED_PREFILL", 1)])
+@pytest.mark.parametrize(
+    "literal, which", [("FUSEMLA_FUSED_DECODE", 0), ("FUSEMLA_FUSED_PREFILL", 1)]
+)
 def test_documented_names_are_the_ones_read(monkeypatch, literal, which):
     # the names the README documents, set literally, are what the flags read
     monkeypatch.setenv(literal, "0")

@@ -35,8 +35,9 @@ def _randint(gen: torch.Generator, low: int, high: int) -> int:
     return int(torch.randint(low, high + 1, (1,), generator=gen))
 
 
-def _random_steps(gen: torch.Generator, num_reqs: int, block_size: int, tag: str
-                  ) -> list[RequestStep]:
+def _random_steps(
+    gen: torch.Generator, num_reqs: int, block_size: int, tag: str
+) -> list[RequestStep]:
     """A random mix of decodes, fresh prefills and chunked prefills (contexts of a few blocks)."""
     steps = []
     for i in range(num_reqs):
@@ -55,8 +56,9 @@ def _expect_decode(s: RequestStep) -> bool:
     return s.is_decode if s.is_decode is not None else (s.num_new_tokens == 1 and s.context_len > 0)
 
 
-def _check_against_allocator(md: BatchMetadata, order: list[int], steps: list[RequestStep],
-                             alloc: BlockAllocator) -> None:
+def _check_against_allocator(
+    md: BatchMetadata, order: list[int], steps: list[RequestStep], alloc: BlockAllocator
+) -> None:
     """Check every field of ``md`` against values recomputed from the allocator's block lists."""
     bs = alloc.block_size
     assert md.block_size == bs
@@ -97,8 +99,8 @@ def _check_against_allocator(md: BatchMetadata, order: list[int], steps: list[Re
     # Decode-first, stable.
     dec = [i for i, s in enumerate(steps) if _expect_decode(s)]
     pre = [i for i, s in enumerate(steps) if not _expect_decode(s)]
-    assert [i for i in order[:md.num_decodes] if i != PADDING_ROW] == dec
-    assert order[md.num_decodes:] == pre
+    assert [i for i in order[: md.num_decodes] if i != PADDING_ROW] == dec
+    assert order[md.num_decodes :] == pre
     assert md.num_decodes == md.num_decode_tokens == len(order) - len(pre)
     assert md.num_prefills == len(pre)
     # Slots written this step never collide and lie in the cache.
@@ -131,8 +133,9 @@ def test_build_random_batches(block_size, seed):
         md, order = build_metadata(steps, alloc, pad_decodes_to=pad)
         _check_against_allocator(md, order, steps, alloc)
         md.validate(num_slots=alloc.num_slots)
-    _check_disjoint(alloc, [f"b{b}-{i}" for b in range(4) for i in range(9)
-                            if alloc.blocks_of(f"b{b}-{i}")])
+    _check_disjoint(
+        alloc, [f"b{b}-{i}" for b in range(4) for i in range(9) if alloc.blocks_of(f"b{b}-{i}")]
+    )
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -159,8 +162,9 @@ def test_multi_step_run_through_a_fake_cache(block_size):
         steps = []
         for rid, n in live.items():
             if n < prompt[rid]:  # (chunked) prefill
-                steps.append(RequestStep(rid, n, min(prompt[rid] - n, _randint(gen, 1, 40)),
-                                         is_decode=False))
+                steps.append(
+                    RequestStep(rid, n, min(prompt[rid] - n, _randint(gen, 1, 40)), is_decode=False)
+                )
             else:
                 steps.append(RequestStep(rid, n, 1, is_decode=True))
         pad = sum(s.is_decode for s in steps) + (step_no % 3)
@@ -311,8 +315,9 @@ def test_build_metadata_argument_errors():
     with pytest.raises(FuseMLATypeError, match="allocator"):
         build_metadata([], object())
     with pytest.raises(FuseMLAValueError, match=r"steps\[2\].*'a'"):
-        build_metadata([RequestStep("a", 0, 1), RequestStep("b", 0, 1), RequestStep("a", 1, 1)],
-                       alloc)
+        build_metadata(
+            [RequestStep("a", 0, 1), RequestStep("b", 0, 1), RequestStep("a", 1, 1)], alloc
+        )
     with pytest.raises(FuseMLATypeError, match="pad_decodes_to"):
         build_metadata([], alloc, pad_decodes_to=1.0)
     with pytest.raises(FuseMLATypeError, match="max_blocks"):
@@ -385,15 +390,23 @@ def test_allocator_seed_determinism():
 
 def test_allocator_seed_determinism_across_processes():
     """Same seed -> same blocks in fresh interpreters, whatever their string-hash seed."""
-    code = ("from fusemla.metadata import BlockAllocator, RequestStep, build_metadata\n"
-            "a = BlockAllocator(64, 16, seed=5)\n"
-            "md, _ = build_metadata([RequestStep('x', 0, 70), RequestStep(('y', 2), 3, 1)], a)\n"
-            "print(md.block_table_cpu, md.slot_mapping.tolist())\n")
+    code = (
+        "from fusemla.metadata import BlockAllocator, RequestStep, build_metadata\n"
+        "a = BlockAllocator(64, 16, seed=5)\n"
+        "md, _ = build_metadata([RequestStep('x', 0, 70), RequestStep(('y', 2), 3, 1)], a)\n"
+        "print(md.block_table_cpu, md.slot_mapping.tolist())\n"
+    )
     outs = set()
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, timeout=120, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         outs.add(res.stdout)
     here = BlockAllocator(64, 16, seed=5)
     md, _ = build_metadata([RequestStep("x", 0, 70), RequestStep(("y", 2), 3, 1)], here)
@@ -401,21 +414,24 @@ def test_allocator_seed_determinism_across_processes():
     assert len(outs) == 1, outs
 
 
-@pytest.mark.parametrize("make, exc, arg", [
-    (lambda: BlockAllocator(0, 16), FuseMLAValueError, "num_blocks"),
-    (lambda: BlockAllocator(4.0, 16), FuseMLATypeError, "num_blocks"),
-    (lambda: BlockAllocator(4, 0), FuseMLAValueError, "block_size"),
-    (lambda: BlockAllocator(4, 16, seed=-1), FuseMLAValueError, "seed"),
-    (lambda: BlockAllocator(4, 16, seed="0"), FuseMLATypeError, "seed"),
-    (lambda: BlockAllocator(4, 16, shuffle=1), FuseMLATypeError, "shuffle"),
-    (lambda: BlockAllocator(4, 16).ensure("a", -1), FuseMLAValueError, "num_tokens"),
-    (lambda: BlockAllocator(4, 16).ensure("a", True), FuseMLATypeError, "num_tokens"),
-    (lambda: BlockAllocator(4, 16).ensure(["a"], 1), FuseMLATypeError, "request_id"),
-    (lambda: BlockAllocator(4, 16).ensure(("a", []), 1), FuseMLATypeError, "request_id"),
-    (lambda: BlockAllocator(4, 16).free("a"), FuseMLAValueError, "request_id"),
-    (lambda: BlockAllocator(4, 16).slot("a", 0), FuseMLAValueError, "position"),
-    (lambda: BlockAllocator(4, 16).slot("a", -1), FuseMLAValueError, "position"),
-])
+@pytest.mark.parametrize(
+    "make, exc, arg",
+    [
+        (lambda: BlockAllocator(0, 16), FuseMLAValueError, "num_blocks"),
+        (lambda: BlockAllocator(4.0, 16), FuseMLATypeError, "num_blocks"),
+        (lambda: BlockAllocator(4, 0), FuseMLAValueError, "block_size"),
+        (lambda: BlockAllocator(4, 16, seed=-1), FuseMLAValueError, "seed"),
+        (lambda: BlockAllocator(4, 16, seed="0"), FuseMLATypeError, "seed"),
+        (lambda: BlockAllocator(4, 16, shuffle=1), FuseMLATypeError, "shuffle"),
+        (lambda: BlockAllocator(4, 16).ensure("a", -1), FuseMLAValueError, "num_tokens"),
+        (lambda: BlockAllocator(4, 16).ensure("a", True), FuseMLATypeError, "num_tokens"),
+        (lambda: BlockAllocator(4, 16).ensure(["a"], 1), FuseMLATypeError, "request_id"),
+        (lambda: BlockAllocator(4, 16).ensure(("a", []), 1), FuseMLATypeError, "request_id"),
+        (lambda: BlockAllocator(4, 16).free("a"), FuseMLAValueError, "request_id"),
+        (lambda: BlockAllocator(4, 16).slot("a", 0), FuseMLAValueError, "position"),
+        (lambda: BlockAllocator(4, 16).slot("a", -1), FuseMLAValueError, "position"),
+    ],
+)
 def test_allocator_errors(make, exc, arg):
     with pytest.raises(exc) as e:
         make()
@@ -438,14 +454,17 @@ def test_allocator_slot_past_capacity_and_double_free():
 # ----------------------------------------------------------------------------- RequestStep
 
 
-@pytest.mark.parametrize("kwargs, exc, arg", [
-    ({"request_id": ["a"]}, FuseMLATypeError, "request_id"),
-    ({"context_len": -1}, FuseMLAValueError, "context_len"),
-    ({"context_len": 1.5}, FuseMLATypeError, "context_len"),
-    ({"num_new_tokens": 0}, FuseMLAValueError, "num_new_tokens"),
-    ({"is_decode": "yes"}, FuseMLATypeError, "is_decode"),
-    ({"num_new_tokens": 2, "is_decode": True}, FuseMLAValueError, "num_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, arg",
+    [
+        ({"request_id": ["a"]}, FuseMLATypeError, "request_id"),
+        ({"context_len": -1}, FuseMLAValueError, "context_len"),
+        ({"context_len": 1.5}, FuseMLATypeError, "context_len"),
+        ({"num_new_tokens": 0}, FuseMLAValueError, "num_new_tokens"),
+        ({"is_decode": "yes"}, FuseMLATypeError, "is_decode"),
+        ({"num_new_tokens": 2, "is_decode": True}, FuseMLAValueError, "num_new_tokens"),
+    ],
+)
 def test_request_step_errors(kwargs, exc, arg):
     base = {"request_id": "a", "context_len": 3, "num_new_tokens": 1}
     with pytest.raises(exc) as e:
@@ -493,83 +512,180 @@ VALIDATION_CASES = [
     ("bs 0", {"block_size": 0}, FuseMLAValueError, "block_size"),
     ("bs none", {"block_size": None}, FuseMLATypeError, "block_size"),
     ("nd != D", {"num_decodes": 1}, FuseMLAValueError, "num_decodes"),
-    ("nd > R", {"num_decodes": 5, "num_decode_tokens": 5, "num_prefill_tokens": 2},
-     FuseMLAValueError, "num_decodes"),
+    (
+        "nd > R",
+        {"num_decodes": 5, "num_decode_tokens": 5, "num_prefill_tokens": 2},
+        FuseMLAValueError,
+        "num_decodes",
+    ),
     ("np wrong", {"num_prefills": 1}, FuseMLAValueError, "num_prefills"),
     ("D+P != end", {"num_prefill_tokens": 6}, FuseMLAValueError, "query_start_loc_cpu"),
     ("qsl type", {"query_start_loc_cpu": "01257"}, FuseMLATypeError, "query_start_loc_cpu"),
-    ("qsl entry", {"query_start_loc_cpu": (0, 1, 2, 5.0, 7)}, FuseMLATypeError,
-     "query_start_loc_cpu[3]"),
+    (
+        "qsl entry",
+        {"query_start_loc_cpu": (0, 1, 2, 5.0, 7)},
+        FuseMLATypeError,
+        "query_start_loc_cpu[3]",
+    ),
     ("qsl len", {"query_start_loc_cpu": (0, 1, 2, 7)}, FuseMLAValueError, "query_start_loc_cpu"),
-    ("qsl start", {"query_start_loc_cpu": (1, 1, 2, 5, 7)}, FuseMLAValueError,
-     "query_start_loc_cpu"),
-    ("qsl decreasing", {"query_start_loc_cpu": (0, 1, 2, 1, 7)}, FuseMLAValueError,
-     "query_start_loc_cpu"),
-    ("qsl end", {"query_start_loc_cpu": (0, 1, 2, 5, 8)}, FuseMLAValueError,
-     "query_start_loc_cpu"),
-    ("decode qlen 2", {"query_start_loc_cpu": (0, 2, 2, 5, 7)}, FuseMLAValueError,
-     "query_start_loc_cpu"),
-    ("decode qlen 0", {"query_start_loc_cpu": (0, 0, 1, 4, 6), "num_prefill_tokens": 4},
-     FuseMLAValueError, "query_start_loc_cpu"),
-    ("prefill qlen 0", {"query_start_loc_cpu": (0, 1, 2, 2, 7)}, FuseMLAValueError,
-     "query_start_loc_cpu"),
+    (
+        "qsl start",
+        {"query_start_loc_cpu": (1, 1, 2, 5, 7)},
+        FuseMLAValueError,
+        "query_start_loc_cpu",
+    ),
+    (
+        "qsl decreasing",
+        {"query_start_loc_cpu": (0, 1, 2, 1, 7)},
+        FuseMLAValueError,
+        "query_start_loc_cpu",
+    ),
+    ("qsl end", {"query_start_loc_cpu": (0, 1, 2, 5, 8)}, FuseMLAValueError, "query_start_loc_cpu"),
+    (
+        "decode qlen 2",
+        {"query_start_loc_cpu": (0, 2, 2, 5, 7)},
+        FuseMLAValueError,
+        "query_start_loc_cpu",
+    ),
+    (
+        "decode qlen 0",
+        {"query_start_loc_cpu": (0, 0, 1, 4, 6), "num_prefill_tokens": 4},
+        FuseMLAValueError,
+        "query_start_loc_cpu",
+    ),
+    (
+        "prefill qlen 0",
+        {"query_start_loc_cpu": (0, 1, 2, 2, 7)},
+        FuseMLAValueError,
+        "query_start_loc_cpu",
+    ),
     ("seq < qlen", {"seq_lens_cpu": (6, 0, 2, 4)}, FuseMLAValueError, "seq_lens_cpu"),
     ("padding prefill", {"seq_lens_cpu": (6, 0, 0, 4)}, FuseMLAValueError, "seq_lens_cpu"),
     ("seq neg", {"seq_lens_cpu": (6, -1, 3, 4)}, FuseMLAValueError, "seq_lens_cpu[1]"),
     ("seq type", {"seq_lens_cpu": None}, FuseMLATypeError, "seq_lens_cpu"),
     ("seq count", {"seq_lens_cpu": (6, 0, 3)}, FuseMLAValueError, "query_start_loc_cpu"),
     ("seq too long", {"seq_lens_cpu": (6, 0, 3, 9)}, FuseMLAValueError, "block_table"),
-    ("qsl list", lambda md: {"query_start_loc": md.query_start_loc_cpu}, FuseMLATypeError,
-     "query_start_loc"),
-    ("qsl dtype", lambda md: {"query_start_loc": md.query_start_loc.long()}, FuseMLATypeError,
-     "query_start_loc"),
-    ("qsl shape", lambda md: {"query_start_loc": md.query_start_loc[:4]}, FuseMLAValueError,
-     "query_start_loc"),
-    ("qsl 2d", lambda md: {"query_start_loc": md.query_start_loc[None]}, FuseMLAValueError,
-     "query_start_loc"),
-    ("seq_lens dtype", lambda md: {"seq_lens": md.seq_lens.long()}, FuseMLATypeError,
-     "seq_lens"),
+    (
+        "qsl list",
+        lambda md: {"query_start_loc": md.query_start_loc_cpu},
+        FuseMLATypeError,
+        "query_start_loc",
+    ),
+    (
+        "qsl dtype",
+        lambda md: {"query_start_loc": md.query_start_loc.long()},
+        FuseMLATypeError,
+        "query_start_loc",
+    ),
+    (
+        "qsl shape",
+        lambda md: {"query_start_loc": md.query_start_loc[:4]},
+        FuseMLAValueError,
+        "query_start_loc",
+    ),
+    (
+        "qsl 2d",
+        lambda md: {"query_start_loc": md.query_start_loc[None]},
+        FuseMLAValueError,
+        "query_start_loc",
+    ),
+    ("seq_lens dtype", lambda md: {"seq_lens": md.seq_lens.long()}, FuseMLATypeError, "seq_lens"),
     ("seq_lens shape", lambda md: {"seq_lens": md.seq_lens[1:]}, FuseMLAValueError, "seq_lens"),
-    ("bt type", lambda md: {"block_table": md.block_table.tolist()}, FuseMLATypeError,
-     "block_table"),
-    ("bt 1d", lambda md: {"block_table": md.block_table.flatten()}, FuseMLAValueError,
-     "block_table"),
-    ("bt rows", lambda md: {"block_table": md.block_table[:3]}, FuseMLAValueError,
-     "block_table"),
-    ("bt dtype", lambda md: {"block_table": md.block_table.long()}, FuseMLATypeError,
-     "block_table"),
-    ("bt narrow", lambda md: {"block_table": md.block_table[:, :1]}, FuseMLAValueError,
-     "block_table"),
+    (
+        "bt type",
+        lambda md: {"block_table": md.block_table.tolist()},
+        FuseMLATypeError,
+        "block_table",
+    ),
+    (
+        "bt 1d",
+        lambda md: {"block_table": md.block_table.flatten()},
+        FuseMLAValueError,
+        "block_table",
+    ),
+    ("bt rows", lambda md: {"block_table": md.block_table[:3]}, FuseMLAValueError, "block_table"),
+    (
+        "bt dtype",
+        lambda md: {"block_table": md.block_table.long()},
+        FuseMLATypeError,
+        "block_table",
+    ),
+    (
+        "bt narrow",
+        lambda md: {"block_table": md.block_table[:, :1]},
+        FuseMLAValueError,
+        "block_table",
+    ),
     ("bt stride", lambda md: {"block_table": _bt_strided(md)}, FuseMLAValueError, "block_table"),
-    ("sm dtype", lambda md: {"slot_mapping": md.slot_mapping.int()}, FuseMLATypeError,
-     "slot_mapping"),
-    ("sm shape", lambda md: {"slot_mapping": md.slot_mapping[:-1]}, FuseMLAValueError,
-     "slot_mapping"),
-    ("sm stride", lambda md: {"slot_mapping": torch.zeros(14, dtype=torch.int64)[::2]},
-     FuseMLAValueError, "slot_mapping"),
-    ("sm device", lambda md: {"slot_mapping": md.slot_mapping.to("meta")}, FuseMLATypeError,
-     "slot_mapping"),
+    (
+        "sm dtype",
+        lambda md: {"slot_mapping": md.slot_mapping.int()},
+        FuseMLATypeError,
+        "slot_mapping",
+    ),
+    (
+        "sm shape",
+        lambda md: {"slot_mapping": md.slot_mapping[:-1]},
+        FuseMLAValueError,
+        "slot_mapping",
+    ),
+    (
+        "sm stride",
+        lambda md: {"slot_mapping": torch.zeros(14, dtype=torch.int64)[::2]},
+        FuseMLAValueError,
+        "slot_mapping",
+    ),
+    (
+        "sm device",
+        lambda md: {"slot_mapping": md.slot_mapping.to("meta")},
+        FuseMLATypeError,
+        "slot_mapping",
+    ),
     ("pos dtype", lambda md: {"positions": md.positions.float()}, FuseMLATypeError, "positions"),
-    ("pos shape", lambda md: {"positions": md.positions[:, None]}, FuseMLAValueError,
-     "positions"),
-    ("pos device", lambda md: {"positions": md.positions.to("meta")}, FuseMLATypeError,
-     "positions"),
-    ("bt device", lambda md: {"block_table": md.block_table.to("meta")}, FuseMLATypeError,
-     "block_table"),
+    ("pos shape", lambda md: {"positions": md.positions[:, None]}, FuseMLAValueError, "positions"),
+    (
+        "pos device",
+        lambda md: {"positions": md.positions.to("meta")},
+        FuseMLATypeError,
+        "positions",
+    ),
+    (
+        "bt device",
+        lambda md: {"block_table": md.block_table.to("meta")},
+        FuseMLATypeError,
+        "block_table",
+    ),
     ("btc type", {"block_table_cpu": "rows"}, FuseMLATypeError, "block_table_cpu"),
-    ("btc rows", lambda md: {"block_table_cpu": md.block_table_cpu[:3]}, FuseMLAValueError,
-     "block_table_cpu"),
-    ("btc row len", lambda md: {"block_table_cpu": ((1,),) + md.block_table_cpu[1:]},
-     FuseMLAValueError, "block_table_cpu[0]"),
-    ("btc neg", lambda md: {"block_table_cpu": ((1, -1),) + md.block_table_cpu[1:]},
-     FuseMLAValueError, "block_table_cpu[0][1]"),
-    ("btc row type", lambda md: {"block_table_cpu": (None,) + md.block_table_cpu[1:]},
-     FuseMLATypeError, "block_table_cpu[0]"),
+    (
+        "btc rows",
+        lambda md: {"block_table_cpu": md.block_table_cpu[:3]},
+        FuseMLAValueError,
+        "block_table_cpu",
+    ),
+    (
+        "btc row len",
+        lambda md: {"block_table_cpu": ((1,),) + md.block_table_cpu[1:]},
+        FuseMLAValueError,
+        "block_table_cpu[0]",
+    ),
+    (
+        "btc neg",
+        lambda md: {"block_table_cpu": ((1, -1),) + md.block_table_cpu[1:]},
+        FuseMLAValueError,
+        "block_table_cpu[0][1]",
+    ),
+    (
+        "btc row type",
+        lambda md: {"block_table_cpu": (None,) + md.block_table_cpu[1:]},
+        FuseMLATypeError,
+        "block_table_cpu[0]",
+    ),
 ]
 
 
-@pytest.mark.parametrize("changes, exc, arg", [c[1:] for c in VALIDATION_CASES],
-                         ids=[c[0] for c in VALIDATION_CASES])
+@pytest.mark.parametrize(
+    "changes, exc, arg", [c[1:] for c in VALIDATION_CASES], ids=[c[0] for c in VALIDATION_CASES]
+)
 def test_validation_errors(changes, exc, arg):
     md, _ = _base()
     if callable(changes):
@@ -582,16 +698,27 @@ def test_validation_errors(changes, exc, arg):
     assert isinstance(e.value, FuseMLAError)
 
 
-@pytest.mark.parametrize("num_slots, changes, exc, arg", [
-    ("64", {}, FuseMLATypeError, "num_slots"),
-    (0, {}, FuseMLAValueError, "num_slots"),
-    (30, {}, FuseMLAValueError, "num_slots"),  # not a multiple of block_size 4
-    (4, {}, FuseMLAValueError, "num_slots"),  # max_seq_len 6 does not fit
-    (20, {"block_table_cpu": ((5, 1), (0, 0), (2, 0), (3, 0))}, FuseMLAValueError,
-     "block_table_cpu[0][0]"),
-    (24, {"block_table_cpu": ((5, 1), (0, 6), (2, 0), (3, 0))}, FuseMLAValueError,
-     "block_table_cpu[1][1]"),
-])
+@pytest.mark.parametrize(
+    "num_slots, changes, exc, arg",
+    [
+        ("64", {}, FuseMLATypeError, "num_slots"),
+        (0, {}, FuseMLAValueError, "num_slots"),
+        (30, {}, FuseMLAValueError, "num_slots"),  # not a multiple of block_size 4
+        (4, {}, FuseMLAValueError, "num_slots"),  # max_seq_len 6 does not fit
+        (
+            20,
+            {"block_table_cpu": ((5, 1), (0, 0), (2, 0), (3, 0))},
+            FuseMLAValueError,
+            "block_table_cpu[0][0]",
+        ),
+        (
+            24,
+            {"block_table_cpu": ((5, 1), (0, 6), (2, 0), (3, 0))},
+            FuseMLAValueError,
+            "block_table_cpu[1][1]",
+        ),
+    ],
+)
 def test_validate_num_slots_errors(num_slots, changes, exc, arg):
     md, _ = _base()
     md = dataclasses.replace(md, **changes)
@@ -614,9 +741,13 @@ def test_host_values_are_normalized():
     np = pytest.importorskip("numpy")
     md, _ = _base()
     md2 = dataclasses.replace(
-        md, num_decode_tokens=np.int64(2), block_size=np.int32(4),
+        md,
+        num_decode_tokens=np.int64(2),
+        block_size=np.int32(4),
         query_start_loc_cpu=list(np.array(md.query_start_loc_cpu)),
-        seq_lens_cpu=[6, 0, 3, 4], block_table_cpu=[list(r) for r in md.block_table_cpu])
+        seq_lens_cpu=[6, 0, 3, 4],
+        block_table_cpu=[list(r) for r in md.block_table_cpu],
+    )
     assert type(md2.num_decode_tokens) is int and type(md2.block_size) is int
     assert md2.query_start_loc_cpu == md.query_start_loc_cpu
     assert all(type(x) is int for x in md2.query_start_loc_cpu)
@@ -646,8 +777,16 @@ def test_validate_on_meta_tensors():
     """Meta tensors have no values: any read (item, tolist, cpu, bool, indexing) would raise."""
     md, alloc = _base()
     meta = md.to("meta")
-    assert {t.device.type for t in (meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                    meta.slot_mapping, meta.positions)} == {"meta"}
+    assert {
+        t.device.type
+        for t in (
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            meta.slot_mapping,
+            meta.positions,
+        )
+    } == {"meta"}
     meta.validate(num_slots=alloc.num_slots)
     assert meta.context_lens_cpu == md.context_lens_cpu and meta.max_seq_len == 6
     with pytest.raises(FuseMLAValueError, match="query_start_loc_cpu"):
@@ -660,8 +799,20 @@ def test_validate_calls_no_syncing_tensor_method(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("validation read a tensor value")
 
-    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__",
-                 "nonzero", "__getitem__", "any", "all", "equal"):
+    for name in (
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "__bool__",
+        "__int__",
+        "__index__",
+        "nonzero",
+        "__getitem__",
+        "any",
+        "all",
+        "equal",
+    ):
         monkeypatch.setattr(torch.Tensor, name, boom)
     md.validate(num_slots=alloc.num_slots)
     dataclasses.replace(md, num_prefills=2)  # __post_init__ too

@@ -70,8 +70,11 @@ PLATFORMS = [
 ]
 
 
-@pytest.mark.parametrize("backend, arch, fp8, native_fp8, native_fp4", PLATFORMS,
-                         ids=[f"{b}-{a}" for b, a, *_ in PLATFORMS])
+@pytest.mark.parametrize(
+    "backend, arch, fp8, native_fp8, native_fp4",
+    PLATFORMS,
+    ids=[f"{b}-{a}" for b, a, *_ in PLATFORMS],
+)
 def test_platform_from(backend, arch, fp8, native_fp8, native_fp4):
     info = platform_from(backend, arch, "some device")
     assert info.backend == backend
@@ -85,6 +88,7 @@ def test_platform_from(backend, arch, fp8, native_fp8, native_fp4):
     # the version of the triton this process imports (None only where none is installed)
     try:
         import triton
+
         expected = triton.__version__
     except ImportError:
         expected = None
@@ -110,24 +114,27 @@ def test_platform_from_normalizes():
     assert platform_from("cpu").device_name is None
 
 
-@pytest.mark.parametrize("backend, arch, argument", [
-    ("vulkan", None, "backend"),
-    ("", None, "backend"),
-    (None, None, "backend"),
-    ("cuda", None, "arch"),  # a GPU backend needs its arch
-    ("rocm", None, "arch"),
-    ("cuda", "gfx942", "arch"),  # arch of the other vendor
-    ("rocm", "sm_90", "arch"),
-    ("cuda", "sm90", "arch"),
-    ("cuda", "sm_9", "arch"),
-    ("cuda", "sm_90x", "arch"),
-    ("cuda", "sm_05", "arch"),
-    ("rocm", "gfx", "arch"),
-    ("rocm", "gfx94z", "arch"),
-    ("cuda", 90, "arch"),
-    ("cpu", "sm_90", "arch"),  # no arch without a GPU
-    ("interpreter", "gfx942", "arch"),
-])
+@pytest.mark.parametrize(
+    "backend, arch, argument",
+    [
+        ("vulkan", None, "backend"),
+        ("", None, "backend"),
+        (None, None, "backend"),
+        ("cuda", None, "arch"),  # a GPU backend needs its arch
+        ("rocm", None, "arch"),
+        ("cuda", "gfx942", "arch"),  # arch of the other vendor
+        ("rocm", "sm_90", "arch"),
+        ("cuda", "sm90", "arch"),
+        ("cuda", "sm_9", "arch"),
+        ("cuda", "sm_90x", "arch"),
+        ("cuda", "sm_05", "arch"),
+        ("rocm", "gfx", "arch"),
+        ("rocm", "gfx94z", "arch"),
+        ("cuda", 90, "arch"),
+        ("cpu", "sm_90", "arch"),  # no arch without a GPU
+        ("interpreter", "gfx942", "arch"),
+    ],
+)
 def test_platform_from_rejects(backend, arch, argument):
     with pytest.raises(FuseMLAValueError, match=rf"^{argument}:"):
         platform_from(backend, arch)
@@ -143,16 +150,19 @@ def test_platform_from_rejects_device_name_type():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, arch, path", [
-    ("cuda", "sm_90", "dequant"),
-    ("cuda", "sm_80", "dequant"),
-    ("cuda", "sm_100", "dot_scaled"),
-    ("cuda", "sm_120", "dot_scaled"),
-    ("rocm", "gfx942", "dequant"),
-    ("rocm", "gfx950", "dot_scaled"),
-    ("interpreter", None, "dequant"),
-    ("cpu", None, "dequant"),
-])
+@pytest.mark.parametrize(
+    "backend, arch, path",
+    [
+        ("cuda", "sm_90", "dequant"),
+        ("cuda", "sm_80", "dequant"),
+        ("cuda", "sm_100", "dot_scaled"),
+        ("cuda", "sm_120", "dot_scaled"),
+        ("rocm", "gfx942", "dequant"),
+        ("rocm", "gfx950", "dot_scaled"),
+        ("interpreter", None, "dequant"),
+        ("cpu", None, "dequant"),
+    ],
+)
 def test_mxfp4_path_auto(monkeypatch, backend, arch, path):
     info = platform_from(backend, arch)
     assert choose_mxfp4_path(info) == path
@@ -177,11 +187,14 @@ def test_mxfp4_path_forced_dot_scaled(monkeypatch):
     assert choose_mxfp4_path(platform_from("cuda", "sm_100")) == "dot_scaled"
 
 
-@pytest.mark.parametrize("backend, arch, why", [
-    ("cuda", "sm_90", "no hardware FP4"),
-    ("rocm", "gfx942", "no hardware FP4"),
-    ("cpu", None, "PyTorch fallback"),
-])
+@pytest.mark.parametrize(
+    "backend, arch, why",
+    [
+        ("cuda", "sm_90", "no hardware FP4"),
+        ("rocm", "gfx942", "no hardware FP4"),
+        ("cpu", None, "PyTorch fallback"),
+    ],
+)
 def test_mxfp4_path_dot_scaled_without_fp4_raises(monkeypatch, backend, arch, why):
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "dot_scaled")
     with pytest.raises(FuseMLAValueError, match="FUSEMLA_MXFP4_PATH=dot_scaled") as err:
@@ -240,8 +253,9 @@ def _fake_gpus(monkeypatch, *, hip: str | None, count: int = 1, current: int = 0
     return calls
 
 
-def fake_rocm(monkeypatch, gcn: str = "gfx942:sramecc+:xnack-",
-              name: str = "AMD Instinct MI300X", **kw) -> list:
+def fake_rocm(
+    monkeypatch, gcn: str = "gfx942:sramecc+:xnack-", name: str = "AMD Instinct MI300X", **kw
+) -> list:
     calls = _fake_gpus(monkeypatch, hip="6.2.41133", **kw)
 
     def props(index):
@@ -282,7 +296,11 @@ def test_detect_fake_rocm_mi355_and_mi250(monkeypatch):
     fake_rocm(monkeypatch, gcn="gfx950:sramecc+:xnack-", name="AMD Instinct MI355X")
     info = detect()
     assert (info.arch, info.fp8_dtype, info.native_fp8, info.native_fp4) == (
-        "gfx950", E4M3FN, True, True)
+        "gfx950",
+        E4M3FN,
+        True,
+        True,
+    )
     assert choose_mxfp4_path(info) == "dot_scaled"
     plat.clear_cache()
     fake_rocm(monkeypatch, gcn="gfx90a:sramecc+:xnack-", name="AMD Instinct MI250X")
@@ -338,14 +356,17 @@ def test_detect_gpu_with_interpreter_or_cpu_device(monkeypatch):
     assert detect("cuda").backend == "interpreter"
 
 
-@pytest.mark.parametrize("device, exc, match", [
-    ("cuda:1", FuseMLAValueError, "sees 1 GPU"),
-    ("meta", FuseMLAValueError, "CPU or CUDA/ROCm"),
-    ("not a device", FuseMLAValueError, "not a device"),
-    (-1, FuseMLAValueError, "not a device"),
-    (3, FuseMLAValueError, "sees 1 GPU"),
-    (1.5, FuseMLATypeError, "torch.device, str, int or None"),
-])
+@pytest.mark.parametrize(
+    "device, exc, match",
+    [
+        ("cuda:1", FuseMLAValueError, "sees 1 GPU"),
+        ("meta", FuseMLAValueError, "CPU or CUDA/ROCm"),
+        ("not a device", FuseMLAValueError, "not a device"),
+        (-1, FuseMLAValueError, "not a device"),
+        (3, FuseMLAValueError, "sees 1 GPU"),
+        (1.5, FuseMLATypeError, "torch.device, str, int or None"),
+    ],
+)
 def test_detect_rejects_bad_devices(monkeypatch, device, exc, match):
     fake_cuda(monkeypatch)
     with pytest.raises(exc, match=f"^device:.*{match}"):
@@ -418,10 +439,13 @@ def test_info_lines_survive_a_detection_failure(monkeypatch):
 
 
 def test_import_does_not_import_triton():
-    code = ("import sys, fusemla.platform as p; assert 'triton' not in sys.modules; "
-            "p.platform_from('cpu'); print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
+    code = (
+        "import sys, fusemla.platform as p; assert 'triton' not in sys.modules; "
+        "p.platform_from('cpu'); print('ok')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
@@ -442,9 +466,16 @@ def test_prologue_variant_plain_and_fp8():
         choose_prologue_variant(H200(), weight_format="int4")
 
 
-@pytest.mark.parametrize("P,L,block_l,fits", [(128, 512, 128, True), (128, 512, 256, True),
-                                              (96, 512, 128, False), (64, 48, 32, False),
-                                              (16, 64, 32, False)])
+@pytest.mark.parametrize(
+    "P,L,block_l,fits",
+    [
+        (128, 512, 128, True),
+        (128, 512, 256, True),
+        (96, 512, 128, False),
+        (64, 48, 32, False),
+        (16, 64, 32, False),
+    ],
+)
 def test_mxfp4_tiles_fit(P, L, block_l, fits):
     assert mxfp4_tiles_fit(P, L, block_l) is fits
 
@@ -453,14 +484,11 @@ def test_prologue_variant_mxfp4(monkeypatch):
     sm100 = platform_from("cuda", "sm_100")
     monkeypatch.delenv("FUSEMLA_MXFP4_PATH", raising=False)
     dims = dict(P=128, L=512, block_l=128)
-    assert choose_prologue_variant(sm100, weight_format="mxfp4",
-                                   **dims).kernel_flags == (2, True)
-    assert choose_prologue_variant(H200(), weight_format="mxfp4",
-                                   **dims).mxfp4_path == "dequant"
+    assert choose_prologue_variant(sm100, weight_format="mxfp4", **dims).kernel_flags == (2, True)
+    assert choose_prologue_variant(H200(), weight_format="mxfp4", **dims).mxfp4_path == "dequant"
     # auto on a native-FP4 chip with tiles tl.dot_scaled cannot take: dequant, by design
     odd = dict(P=96, L=512, block_l=128)
-    assert choose_prologue_variant(sm100, weight_format="mxfp4",
-                                   **odd).mxfp4_path == "dequant"
+    assert choose_prologue_variant(sm100, weight_format="mxfp4", **odd).mxfp4_path == "dequant"
     # forced: raises instead of downgrading silently
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "dot_scaled")
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled.*P=96"):
@@ -477,11 +505,14 @@ def test_report_shows_the_layer_flags(monkeypatch):
     assert "FUSEMLA_FUSED_DECODE: INVALID" in text  # reported, never raised
 
 
-@pytest.mark.parametrize("value, mode", [
-    *[(v, "on") for v in ("on", "1", "true", "TRUE", " On ", "yes")],
-    *[(v, "off") for v in ("off", "0", "false", "OFF", "no")],
-    *[(v, "auto") for v in ("auto", "AUTO", "", "  ")],
-])
+@pytest.mark.parametrize(
+    "value, mode",
+    [
+        *[(v, "on") for v in ("on", "1", "true", "TRUE", " On ", "yes")],
+        *[(v, "off") for v in ("off", "0", "false", "OFF", "no")],
+        *[(v, "auto") for v in ("auto", "AUTO", "", "  ")],
+    ],
+)
 def test_pdl_mode_spellings(monkeypatch, value, mode):
     monkeypatch.setenv("FUSEMLA_PDL", value)
     assert config.pdl_mode() == mode

@@ -266,7 +266,7 @@ def test_split_kv_b_proj(gen):
     assert uk.shape == (H, P, L) and uv.shape == (H, L, V)
     assert uk.dtype == uv.dtype == torch.bfloat16 and uk.is_contiguous() and uv.is_contiguous()
     for h in range(H):
-        rows = W[h * (P + V):(h + 1) * (P + V)]
+        rows = W[h * (P + V) : (h + 1) * (P + V)]
         assert torch.equal(uk[h], rows[:P])
         assert torch.equal(uv[h], rows[P:].T)
     assert torch.equal(uk, W.T.reshape(L, H, P + V)[..., :P].permute(1, 2, 0))
@@ -280,9 +280,11 @@ def _block_quantize(w: torch.Tensor, bn: int = 128, bk: int = 128):
     q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            blk = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
             s[i, j] = blk.abs().max() / 448.0
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (blk / s[i, j]).to(
+                torch.float8_e4m3fn
+            )
     return q, s
 
 
@@ -302,8 +304,9 @@ def test_dequantize_block_fp8(gen):
     for n in (0, 127, 128, 255, 256, 299):
         for k in (0, 127, 128, 199):
             assert out[n, k].item() == s2[n // 128, k // 128].item()
-    out = dequantize_block_fp8(ones, torch.arange(10 * 7, dtype=torch.float32).view(10, 7),
-                               block_size=(32, 32))
+    out = dequantize_block_fp8(
+        ones, torch.arange(10 * 7, dtype=torch.float32).view(10, 7), block_size=(32, 32)
+    )
     assert out[299, 199].item() == 9 * 7 + 6 and out[31, 32].item() == 1
 
 
@@ -317,8 +320,9 @@ def test_prepare_w_uk_t_formats(gen):
     assert uk.dtype == uv.dtype == torch.bfloat16
     assert torch.equal(uk, uk32.to(torch.bfloat16)) and torch.equal(uv, uv32.to(torch.bfloat16))
 
-    uk, uv = prepare_w_uk_t(W, format="fp8", per_head=True, fp8_dtype=torch.float8_e4m3fnuz,
-                            dtype=torch.float16, **dims)
+    uk, uv = prepare_w_uk_t(
+        W, format="fp8", per_head=True, fp8_dtype=torch.float8_e4m3fnuz, dtype=torch.float16, **dims
+    )
     ref = quantize_fp8_weight(uk32, dtype=torch.float8_e4m3fnuz, per_head=True)
     assert isinstance(uk, QuantizedWeight) and uk.granularity == "head"
     assert torch.equal(uk.data.view(torch.uint8), ref.data.view(torch.uint8))
@@ -361,51 +365,110 @@ BAD = [
     (lambda: QuantizedWeight(_u8(1, 16, 4), _u8(1, 1, 4), 4), FuseMLATypeError, "format"),
     (lambda: QuantizedWeight(_u8(1, 8, 4), _u8(1, 1, 4), "mxfp4"), FuseMLAValueError, "data"),
     (lambda: QuantizedWeight(_u8(1, 16, 4), _u8(1, 2, 4), "mxfp4"), FuseMLAValueError, "scale"),
-    (lambda: QuantizedWeight(_u8(1, 16, 4), torch.zeros(1, 1, 4), "mxfp4"),
-     FuseMLATypeError, "scale"),
+    (
+        lambda: QuantizedWeight(_u8(1, 16, 4), torch.zeros(1, 1, 4), "mxfp4"),
+        FuseMLATypeError,
+        "scale",
+    ),
     (lambda: QuantizedWeight(_f8(2, 16, 4), torch.ones(1), "mxfp4"), FuseMLATypeError, "data"),
     (lambda: QuantizedWeight(_u8(2, 16, 4), torch.ones(1), "fp8"), FuseMLATypeError, "data"),
     (lambda: QuantizedWeight(_f8(2, 16, 4), torch.ones(3), "fp8"), FuseMLAValueError, "scale"),
-    (lambda: QuantizedWeight(_f8(2, 16, 4), torch.ones(2).half(), "fp8"),
-     FuseMLATypeError, "scale"),
-    (lambda: QuantizedWeight(_f8(4, 2, 16).transpose(0, 1), torch.ones(1), "fp8"),
-     FuseMLAValueError, "contiguous tensor or a K-major"),
-    (lambda: QuantizedWeight(_u8(1, 4, 16).transpose(1, 2), _u8(1, 1, 4), "mxfp4"),
-     FuseMLAValueError, "data: expected a contiguous tensor, got"),
+    (
+        lambda: QuantizedWeight(_f8(2, 16, 4), torch.ones(2).half(), "fp8"),
+        FuseMLATypeError,
+        "scale",
+    ),
+    (
+        lambda: QuantizedWeight(_f8(4, 2, 16).transpose(0, 1), torch.ones(1), "fp8"),
+        FuseMLAValueError,
+        "contiguous tensor or a K-major",
+    ),
+    (
+        lambda: QuantizedWeight(_u8(1, 4, 16).transpose(1, 2), _u8(1, 1, 4), "mxfp4"),
+        FuseMLAValueError,
+        "data: expected a contiguous tensor, got",
+    ),
     (lambda: quantize_fp8_weight(torch.ones(1, 4, 4), k_major=1), FuseMLATypeError, "k_major"),
     (lambda: QuantizedWeight("x", torch.ones(1), "fp8"), FuseMLATypeError, "data"),
     (lambda: quantize_fp8_weight(torch.ones(4, 4)), FuseMLAValueError, "w_uk_t"),
-    (lambda: quantize_fp8_weight(torch.ones(1, 4, 4, dtype=torch.int32)),
-     FuseMLATypeError, "w_uk_t"),
-    (lambda: quantize_fp8_weight(torch.ones(1, 4, 4), dtype=torch.bfloat16),
-     FuseMLATypeError, "dtype"),
+    (
+        lambda: quantize_fp8_weight(torch.ones(1, 4, 4, dtype=torch.int32)),
+        FuseMLATypeError,
+        "w_uk_t",
+    ),
+    (
+        lambda: quantize_fp8_weight(torch.ones(1, 4, 4), dtype=torch.bfloat16),
+        FuseMLATypeError,
+        "dtype",
+    ),
     (lambda: quantize_fp8_weight(torch.ones(1, 4, 4), per_head=1), FuseMLATypeError, "per_head"),
-    (lambda: quantize_fp8_weight(torch.tensor([[[1.0, float("inf")]]])),
-     FuseMLAValueError, "w_uk_t"),
+    (
+        lambda: quantize_fp8_weight(torch.tensor([[[1.0, float("inf")]]])),
+        FuseMLAValueError,
+        "w_uk_t",
+    ),
     (lambda: quantize_mxfp4_weight(torch.ones(1, 48, 4)), FuseMLAValueError, "w_uk_t"),
-    (lambda: quantize_mxfp4_weight(torch.full((1, 32, 1), float("nan"))),
-     FuseMLAValueError, "finite"),
+    (
+        lambda: quantize_mxfp4_weight(torch.full((1, 32, 1), float("nan"))),
+        FuseMLAValueError,
+        "finite",
+    ),
     (lambda: split_kv_b_proj(torch.ones(10, 8), 2, 3, 3), FuseMLAValueError, "kv_b_proj_weight"),
     (lambda: split_kv_b_proj(_f8(12, 8), 2, 3, 3), FuseMLATypeError, "dequantize_block_fp8"),
     (lambda: split_kv_b_proj(torch.ones(12, 8), 2, 0, 6), FuseMLAValueError, "qk_nope_head_dim"),
     (lambda: split_kv_b_proj(torch.ones(12, 8), 2.0, 3, 3), FuseMLATypeError, "num_heads"),
-    (lambda: dequantize_block_fp8(torch.ones(300, 200), torch.ones(3, 2)),
-     FuseMLATypeError, "weight"),
-    (lambda: dequantize_block_fp8(_f8(300, 200), torch.ones(2, 2)),
-     FuseMLAValueError, "weight_scale_inv"),
-    (lambda: dequantize_block_fp8(_f8(300, 200), torch.ones(3, 2), block_size=(128,)),
-     FuseMLAValueError, "block_size"),
-    (lambda: prepare_w_uk_t(_f8(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3),
-     FuseMLAValueError, "weight_scale_inv"),
-    (lambda: prepare_w_uk_t(torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3,
-                            weight_scale_inv=torch.ones(1, 1)), FuseMLAValueError,
-     "weight_scale_inv"),
-    (lambda: prepare_w_uk_t(torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3,
-                            format="int8"), FuseMLAValueError, "format"),
-    (lambda: prepare_w_uk_t(torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3,
-                            format="mxfp4"), FuseMLAValueError, "w_uk_t"),
-    (lambda: prepare_w_uk_t(torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3,
-                            dtype=torch.int8), FuseMLATypeError, "dtype"),
+    (
+        lambda: dequantize_block_fp8(torch.ones(300, 200), torch.ones(3, 2)),
+        FuseMLATypeError,
+        "weight",
+    ),
+    (
+        lambda: dequantize_block_fp8(_f8(300, 200), torch.ones(2, 2)),
+        FuseMLAValueError,
+        "weight_scale_inv",
+    ),
+    (
+        lambda: dequantize_block_fp8(_f8(300, 200), torch.ones(3, 2), block_size=(128,)),
+        FuseMLAValueError,
+        "block_size",
+    ),
+    (
+        lambda: prepare_w_uk_t(_f8(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3),
+        FuseMLAValueError,
+        "weight_scale_inv",
+    ),
+    (
+        lambda: prepare_w_uk_t(
+            torch.ones(12, 8),
+            num_heads=2,
+            qk_nope_head_dim=3,
+            v_head_dim=3,
+            weight_scale_inv=torch.ones(1, 1),
+        ),
+        FuseMLAValueError,
+        "weight_scale_inv",
+    ),
+    (
+        lambda: prepare_w_uk_t(
+            torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3, format="int8"
+        ),
+        FuseMLAValueError,
+        "format",
+    ),
+    (
+        lambda: prepare_w_uk_t(
+            torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3, format="mxfp4"
+        ),
+        FuseMLAValueError,
+        "w_uk_t",
+    ),
+    (
+        lambda: prepare_w_uk_t(
+            torch.ones(12, 8), num_heads=2, qk_nope_head_dim=3, v_head_dim=3, dtype=torch.int8
+        ),
+        FuseMLATypeError,
+        "dtype",
+    ),
 ]
 
 

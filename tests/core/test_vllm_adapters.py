@@ -18,12 +18,20 @@ from fusemla.integrations import vllm_adapters as ad
 from fusemla.ops.prologue.halves import Span, split_halves
 
 
-@pytest.mark.parametrize("version,minor,cls", [
-    ("0.32.0", "0.32", ad.Vllm032), ("0.32.3", "0.32", ad.Vllm032),
-    ("0.33.0", "0.33", ad.Vllm033), ("0.33.1rc2", "0.33", ad.Vllm033),
-    ("0.33.0+cu130", "0.33", ad.Vllm033), ("0.34.0", "0.34", None), ("0.31.2", "0.31", None),
-    ("1.0", "1.0", None), ("unknown", "unknown", None),
-])
+@pytest.mark.parametrize(
+    "version,minor,cls",
+    [
+        ("0.32.0", "0.32", ad.Vllm032),
+        ("0.32.3", "0.32", ad.Vllm032),
+        ("0.33.0", "0.33", ad.Vllm033),
+        ("0.33.1rc2", "0.33", ad.Vllm033),
+        ("0.33.0+cu130", "0.33", ad.Vllm033),
+        ("0.34.0", "0.34", None),
+        ("0.31.2", "0.31", None),
+        ("1.0", "1.0", None),
+        ("unknown", "unknown", None),
+    ],
+)
 def test_adapter_for_version(version, minor, cls):
     assert ad.minor_of(version) == minor
     a = ad.adapter_for(version)
@@ -42,12 +50,15 @@ class _Impl:
 
 
 def _attn(dtype: str, scale: float):
-    return types.SimpleNamespace(impl=_Impl(), kv_cache_dtype=dtype, _k_scale="k-scale",
-                                 _k_scale_float=scale)
+    return types.SimpleNamespace(
+        impl=_Impl(), kv_cache_dtype=dtype, _k_scale="k-scale", _k_scale_float=scale
+    )
 
 
-@pytest.mark.parametrize("dtype,scale,skip", [("fp8", 1.0, True), ("fp8_e4m3", 1.0, True),
-                                              ("fp8", 0.5, False), ("auto", 1.0, False)])
+@pytest.mark.parametrize(
+    "dtype,scale,skip",
+    [("fp8", 1.0, True), ("fp8_e4m3", 1.0, True), ("fp8", 0.5, False), ("auto", 1.0, False)],
+)
 def test_cache_write_per_version(dtype, scale, skip):
     """0.32's do_kv_cache_update takes 6 arguments; 0.33's update_kv_cache passes a 7th,
     skip_scale (FP8 cache with a scale of exactly 1.0), and the 0.33 adapter passes it alike."""
@@ -78,8 +89,10 @@ def test_unsupported_vllm_leaves_plugin_off(monkeypatch, caplog):
         plugin.register()
         plugin.register()
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == ["fusemla: vLLM 0.34.0 is not supported (supported: 0.32.x, 0.33.x): "
-                    "plugin off, vLLM's own MLA path runs"]
+    assert msgs == [
+        "fusemla: vLLM 0.34.0 is not supported (supported: 0.32.x, 0.33.x): "
+        "plugin off, vLLM's own MLA path runs"
+    ]
     assert plugin._adapter is None and not plugin._registered
 
 
@@ -115,7 +128,6 @@ def test_split_halves_covers_every_token_once(N, D, fd, fp):
     assert (split.decode_fused, split.prefill_fused) == (fd, fp)
     with pytest.raises(ValueError):
         split_halves(3, 4, fd, fp)
-
 
 
 def test_spec_key_of_tensors_with_and_without_version_counter():

@@ -47,8 +47,8 @@ def _paged(seq_lens, block_size, kv_dtype, gen, *, reserve_block0=True, kv_scale
         for j in range(math.ceil(s / block_size)):
             b = free.pop()
             table[r, j] = b
-            chunk = stored[j * block_size:(j + 1) * block_size]
-            cache[b, :chunk.shape[0]] = chunk
+            chunk = stored[j * block_size : (j + 1) * block_size]
+            cache[b, : chunk.shape[0]] = chunk
     return cache, table, dense
 
 
@@ -70,12 +70,16 @@ def test_paged_decode_matches_dense_float64(block_size, kv):
     scale_value = 0.02
     seq_lens = [1, block_size - 1, block_size, block_size + 1, 0, 3 * block_size + 5, 7]
     cache, table, dense = _paged(seq_lens, block_size, kv_dtype, gen, kv_scale=scale_value)
-    kv_scale = None if kv == "bf16" else (
-        torch.tensor([scale_value]) if kv.endswith("tensor-scale") else scale_value)
+    kv_scale = (
+        None
+        if kv == "bf16"
+        else (torch.tensor([scale_value]) if kv.endswith("tensor-scale") else scale_value)
+    )
     q = torch.randn(len(seq_lens), H, L + R, generator=gen).to(torch.bfloat16)
     before = cache.clone()
-    out = paged_decode_attention(q, cache, table, torch.tensor(seq_lens, dtype=torch.int32),
-                                 SCALE, kv_scale, kv_lora_rank=L)
+    out = paged_decode_attention(
+        q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), SCALE, kv_scale, kv_lora_rank=L
+    )
     assert out.dtype == torch.float32 and out.shape == (len(seq_lens), H, L)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), _decode_f64(q, dense, SCALE), atol=ATOL, rtol=RTOL)
@@ -93,10 +97,9 @@ def test_paged_decode_unused_entries_point_at_live_data():
     for r, s in enumerate(seq_lens):  # give block 0 to whoever owns it, keep the model in sync
         for j in range(math.ceil(s / 16)):
             if int(table[r, j]) == 0:
-                dense[r][j * 16:(j + 1) * 16] = cache[0, :min(16, s - j * 16)].double()
+                dense[r][j * 16 : (j + 1) * 16] = cache[0, : min(16, s - j * 16)].double()
     q = torch.randn(len(seq_lens), H, L + R, generator=gen)
-    out = paged_decode_attention(q, cache, table, torch.tensor(seq_lens), SCALE,
-                                 kv_lora_rank=L)
+    out = paged_decode_attention(q, cache, table, torch.tensor(seq_lens), SCALE, kv_lora_rank=L)
     torch.testing.assert_close(out.double(), _decode_f64(q, dense, SCALE), atol=ATOL, rtol=RTOL)
 
 
@@ -156,18 +159,19 @@ def _prefill_inputs(T, S, gen):
     q_nope = torch.randn(T, H, P, generator=gen).to(torch.bfloat16)
     q_pe = torch.randn(T, H, R, generator=gen).to(torch.bfloat16)
     rows = torch.randn(S, L + R, generator=gen)
-    w_uk = (torch.randn(H, P, L, generator=gen) * L ** -0.5).to(torch.bfloat16)
-    w_uv = (torch.randn(H, L, V, generator=gen) * L ** -0.5).to(torch.bfloat16)
+    w_uk = (torch.randn(H, P, L, generator=gen) * L**-0.5).to(torch.bfloat16)
+    w_uv = (torch.randn(H, L, V, generator=gen) * L**-0.5).to(torch.bfloat16)
     return q_nope, q_pe, rows, w_uk, w_uv
 
 
-@pytest.mark.parametrize("T,ctx,extra", [(1, 0, 0), (6, 0, 0), (5, 11, 0), (1, 30, 0),
-                                         (4, 3, 5)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "T,ctx,extra", [(1, 0, 0), (6, 0, 0), (5, 11, 0), (1, 30, 0), (4, 3, 5)], ids=lambda v: str(v)
+)
 def test_prefill_causal_matches_dense_float64(T, ctx, extra):
     """``extra`` rows past the last query must never be read (they are NaN)."""
     gen = torch.Generator().manual_seed(stable_seed("prefill-f64", T, ctx, extra))
     q_nope, q_pe, rows, w_uk, w_uv = _prefill_inputs(T, ctx + T + extra, gen)
-    rows[ctx + T:] = float("nan")
+    rows[ctx + T :] = float("nan")
     out = prefill_attention(q_nope, q_pe, rows, w_uk, w_uv, ctx, SCALE)
     assert out.dtype == torch.float32 and out.shape == (T, H, V)
     want = _prefill_f64(q_nope, q_pe, rows, w_uk, w_uv, ctx, SCALE)
@@ -217,28 +221,48 @@ def _bad_calls():
     sl = torch.tensor([1, 2])
     pre = _prefill_inputs(3, 3, torch.Generator().manual_seed(0))
     return {
-        "fp8-cache-no-scale": (lambda: paged_decode_attention(q, cache, table, sl, SCALE,
-                                                              kv_lora_rank=L),
-                               FuseMLAValueError, "kv_scale"),
-        "fp8-q": (lambda: paged_decode_attention(q.to(FP8), cache, table, sl, SCALE, 1.0,
-                                                 kv_lora_rank=L), FuseMLATypeError, "q"),
-        "table-rows": (lambda: paged_decode_attention(q, cache, table[:1], sl, SCALE, 1.0,
-                                                      kv_lora_rank=L),
-                       FuseMLAValueError, "block_table"),
-        "seq-lens-shape": (lambda: paged_decode_attention(q, cache, table, sl[:1], SCALE, 1.0,
-                                                          kv_lora_rank=L),
-                           FuseMLAValueError, "seq_lens"),
-        "uint8-cache": (lambda: paged_decode_attention(q, cache.view(torch.uint8), table, sl,
-                                                       SCALE, 1.0, kv_lora_rank=L),
-                        FuseMLATypeError, "kv_cache"),
-        "bad-rank": (lambda: paged_decode_attention(q, cache, table, sl, SCALE, 1.0,
-                                                    kv_lora_rank=L + R),
-                     FuseMLAValueError, "kv_lora_rank"),
-        "prefill-too-few-rows": (lambda: prefill_attention(*pre[:2], pre[2][:2], *pre[3:], 0,
-                                                           SCALE),
-                                 FuseMLAValueError, "kv_rows"),
-        "prefill-w_uk": (lambda: prefill_attention(*pre[:3], pre[3][:, :4], pre[4], 0, SCALE),
-                         FuseMLAValueError, "w_uk"),
+        "fp8-cache-no-scale": (
+            lambda: paged_decode_attention(q, cache, table, sl, SCALE, kv_lora_rank=L),
+            FuseMLAValueError,
+            "kv_scale",
+        ),
+        "fp8-q": (
+            lambda: paged_decode_attention(q.to(FP8), cache, table, sl, SCALE, 1.0, kv_lora_rank=L),
+            FuseMLATypeError,
+            "q",
+        ),
+        "table-rows": (
+            lambda: paged_decode_attention(q, cache, table[:1], sl, SCALE, 1.0, kv_lora_rank=L),
+            FuseMLAValueError,
+            "block_table",
+        ),
+        "seq-lens-shape": (
+            lambda: paged_decode_attention(q, cache, table, sl[:1], SCALE, 1.0, kv_lora_rank=L),
+            FuseMLAValueError,
+            "seq_lens",
+        ),
+        "uint8-cache": (
+            lambda: paged_decode_attention(
+                q, cache.view(torch.uint8), table, sl, SCALE, 1.0, kv_lora_rank=L
+            ),
+            FuseMLATypeError,
+            "kv_cache",
+        ),
+        "bad-rank": (
+            lambda: paged_decode_attention(q, cache, table, sl, SCALE, 1.0, kv_lora_rank=L + R),
+            FuseMLAValueError,
+            "kv_lora_rank",
+        ),
+        "prefill-too-few-rows": (
+            lambda: prefill_attention(*pre[:2], pre[2][:2], *pre[3:], 0, SCALE),
+            FuseMLAValueError,
+            "kv_rows",
+        ),
+        "prefill-w_uk": (
+            lambda: prefill_attention(*pre[:3], pre[3][:, :4], pre[4], 0, SCALE),
+            FuseMLAValueError,
+            "w_uk",
+        ),
     }
 
 

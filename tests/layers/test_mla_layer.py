@@ -26,10 +26,17 @@ from fusemla.rope import apply_rope, rope_cache_from_hf_config, split_cos_sin_ca
 from fusemla.testing import fp8_ordinal, poisoned_cache, rel_err, rope_f64, stable_seed
 
 FP8 = torch.float8_e4m3fn
-SMALL = {"hidden": 64, "H": 4, "P": 32, "R": 16, "L": 64, "V": 32, "q_lora": 48,
-         "max_pos": 512}
-GPU_DIMS = {"hidden": 1024, "H": 16, "P": 128, "R": 64, "L": 512, "V": 128, "q_lora": 384,
-            "max_pos": 8192}
+SMALL = {"hidden": 64, "H": 4, "P": 32, "R": 16, "L": 64, "V": 32, "q_lora": 48, "max_pos": 512}
+GPU_DIMS = {
+    "hidden": 1024,
+    "H": 16,
+    "P": 128,
+    "R": 64,
+    "L": 512,
+    "V": 128,
+    "q_lora": 384,
+    "max_pos": 8192,
+}
 KV_SCALE = 3.0 / 448  # randn-sized rows: the tail saturates
 # fused vs reference layer: q and the cache's rope part may differ by one bf16 ulp
 OUT_REL = 1e-2
@@ -50,14 +57,28 @@ def _dims(device):
 
 def _hf_config(d, *, q_lora=True, interleave=True):
     """A DeepSeek-V3-style config as a plain mapping (YaRN factor 4, interleaved RoPE)."""
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-            "original_max_position_embeddings": d["max_pos"] // 4, "beta_fast": 32.0,
-            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-    return {"hidden_size": d["hidden"], "num_attention_heads": d["H"],
-            "q_lora_rank": d["q_lora"] if q_lora else None, "kv_lora_rank": d["L"],
-            "qk_nope_head_dim": d["P"], "qk_rope_head_dim": d["R"], "v_head_dim": d["V"],
-            "max_position_embeddings": d["max_pos"], "rope_interleave": interleave,
-            "rope_parameters": rope}
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": d["max_pos"] // 4,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    return {
+        "hidden_size": d["hidden"],
+        "num_attention_heads": d["H"],
+        "q_lora_rank": d["q_lora"] if q_lora else None,
+        "kv_lora_rank": d["L"],
+        "qk_nope_head_dim": d["P"],
+        "qk_rope_head_dim": d["R"],
+        "v_head_dim": d["V"],
+        "max_position_embeddings": d["max_pos"],
+        "rope_interleave": interleave,
+        "rope_parameters": rope,
+    }
 
 
 def _state_dict(d, seed, *, q_lora=True):
@@ -65,15 +86,22 @@ def _state_dict(d, seed, *, q_lora=True):
     H, P, R, L, V, hid = d["H"], d["P"], d["R"], d["L"], d["V"], d["hidden"]
 
     def w(n_out, n_in):
-        return torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+        return torch.randn(n_out, n_in, generator=g) * n_in**-0.5
 
-    sd = {"kv_a_proj_with_mqa.weight": w(L + R, hid),
-          "kv_a_layernorm.weight": 1 + 0.1 * torch.randn(L, generator=g),
-          "kv_b_proj.weight": w(H * (P + V), L), "o_proj.weight": w(hid, H * V)}
+    sd = {
+        "kv_a_proj_with_mqa.weight": w(L + R, hid),
+        "kv_a_layernorm.weight": 1 + 0.1 * torch.randn(L, generator=g),
+        "kv_b_proj.weight": w(H * (P + V), L),
+        "o_proj.weight": w(hid, H * V),
+    }
     if q_lora:
-        sd.update({"q_a_proj.weight": w(d["q_lora"], hid),
-                   "q_a_layernorm.weight": 1 + 0.1 * torch.randn(d["q_lora"], generator=g),
-                   "q_b_proj.weight": w(H * (P + R), d["q_lora"])})
+        sd.update(
+            {
+                "q_a_proj.weight": w(d["q_lora"], hid),
+                "q_a_layernorm.weight": 1 + 0.1 * torch.randn(d["q_lora"], generator=g),
+                "q_b_proj.weight": w(H * (P + R), d["q_lora"]),
+            }
+        )
     else:
         sd["q_proj.weight"] = w(H * (P + R), hid)
     return sd
@@ -82,22 +110,28 @@ def _state_dict(d, seed, *, q_lora=True):
 def _layer(device, seed, flags, *, weight_format="plain", q_lora=True, interleave=True):
     d = _dims(device)
     return MLAAttention.from_state_dict(
-        _state_dict(d, seed, q_lora=q_lora), _hf_config(d, q_lora=q_lora, interleave=interleave),
-        weight_format=weight_format, config=None if flags is None else MLAConfig(*flags),
-        device=device)
+        _state_dict(d, seed, q_lora=q_lora),
+        _hf_config(d, q_lora=q_lora, interleave=interleave),
+        weight_format=weight_format,
+        config=None if flags is None else MLAConfig(*flags),
+        device=device,
+    )
 
 
 def _schedule(bs):
     """Per step, (request, new tokens): prefill only; mixed; mixed with a chunked prefill and a
     one-token prefill; pure decode (padded)."""
-    return [[("A", bs + 3), ("B", 5)],
-            [("A", 1), ("B", 1), ("C", 6)],
-            [("A", 1), ("C", 9), ("B", 1), ("D", 1)],
-            [("A", 1), ("B", 1), ("C", 1), ("D", 1)]]
+    return [
+        [("A", bs + 3), ("B", 5)],
+        [("A", 1), ("B", 1), ("C", 6)],
+        [("A", 1), ("C", 9), ("B", 1), ("D", 1)],
+        [("A", 1), ("B", 1), ("C", 1), ("D", 1)],
+    ]
 
 
-def _steps(schedule, bs, device, *, num_blocks=24, pad_decodes_to=None, reserve_block0=False,
-           seed=0):
+def _steps(
+    schedule, bs, device, *, num_blocks=24, pad_decodes_to=None, reserve_block0=False, seed=0
+):
     """Yield (metadata, request id of each row or None for padding) per step; pure-decode steps
     are padded to ``pad_decodes_to``."""
     alloc = BlockAllocator(num_blocks, bs, seed=seed)
@@ -108,8 +142,9 @@ def _steps(schedule, bs, device, *, num_blocks=24, pad_decodes_to=None, reserve_
     for spec in schedule:
         steps = [RequestStep(r, ctx[r], n) for r, n in spec]
         decode_only = all(ctx[r] > 0 and n == 1 for r, n in spec)
-        md, order = build_metadata(steps, alloc, device=device,
-                                   pad_decodes_to=pad_decodes_to if decode_only else None)
+        md, order = build_metadata(
+            steps, alloc, device=device, pad_decodes_to=pad_decodes_to if decode_only else None
+        )
         for r, n in spec:
             ctx[r] += n
         yield md, [spec[i][0] if i >= 0 else None for i in order]
@@ -124,16 +159,19 @@ def _cache(device, bs, kv, num_blocks=24):
 
 def _hidden(md, device, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(md.num_tokens, _dims(device)["hidden"], generator=g).to(device,
-                                                                               torch.bfloat16)
+    return torch.randn(md.num_tokens, _dims(device)["hidden"], generator=g).to(
+        device, torch.bfloat16
+    )
 
 
 def _latent_inputs(md, device, g):
     d = _dims(device)
     N = md.num_tokens
-    return (torch.randn(N, d["H"], d["P"] + d["R"], generator=g).to(device, torch.bfloat16),
-            torch.randn(N, d["L"], generator=g).to(device, torch.bfloat16),
-            torch.randn(N, d["R"], generator=g).to(device, torch.bfloat16))
+    return (
+        torch.randn(N, d["H"], d["P"] + d["R"], generator=g).to(device, torch.bfloat16),
+        torch.randn(N, d["L"], generator=g).to(device, torch.bfloat16),
+        torch.randn(N, d["R"], generator=g).to(device, torch.bfloat16),
+    )
 
 
 def _valid_slots(md, n_slots):
@@ -170,8 +208,8 @@ def _assert_caches_agree(cache, cache_ref, L, *, latent_exact=True):
         return
     x, y = a[..., first:].float(), b[..., first:].float()
     both_nan = torch.isnan(x) & torch.isnan(y)
-    slack = 2.0 ** -20 * torch.maximum(x.abs(), y.abs()).nan_to_num(0).amax(-1, keepdim=True)
-    ok = (x - y).abs() <= 2.0 ** -7 * torch.maximum(x.abs(), y.abs()) + slack
+    slack = 2.0**-20 * torch.maximum(x.abs(), y.abs()).nan_to_num(0).amax(-1, keepdim=True)
+    ok = (x - y).abs() <= 2.0**-7 * torch.maximum(x.abs(), y.abs()) + slack
     assert (ok | both_nan).all()
 
 
@@ -229,13 +267,16 @@ def test_fused_matches_reference_over_steps(device, kv, block_size, counters):
     ref = _layer(device, seed, (False, False))
     cache, kv_scale = _cache(device, block_size, kv)
     cache_ref = cache.clone()
-    for i, (md, _) in enumerate(_steps(_schedule(block_size), block_size, device,
-                                       pad_decodes_to=6, seed=seed)):
+    for i, (md, _) in enumerate(
+        _steps(_schedule(block_size), block_size, device, pad_decodes_to=6, seed=seed)
+    ):
         x = _hidden(md, device, seed + i)
         before = cache.clone()
         out = fused(x, md.positions, md, cache, kv_scale)
-        assert counters.take() == {"launch": [(md.num_tokens, md.num_decode_tokens)],
-                                      "ref_write": []}
+        assert counters.take() == {
+            "launch": [(md.num_tokens, md.num_decode_tokens)],
+            "ref_write": [],
+        }
         out_ref = ref(x, md.positions, md, cache_ref, kv_scale)
         assert counters.take() == {"launch": [], "ref_write": [md.num_tokens]}
         _assert_only_slots_changed(cache, before, md)
@@ -252,11 +293,13 @@ def test_quantized_w_uk_t_fused_matches_reference(device, weight_format):
     assert isinstance(fused.W_UK_T, QuantizedWeight) and fused.W_UK_T.format == weight_format
     assert torch.equal(fused.W_UV, plain.W_UV) and torch.equal(fused.W_UK, plain.W_UK)
     caches = [_cache(device, 16, "bf16")[0] for _ in range(3)]
-    for i, (md, _) in enumerate(_steps(_schedule(16)[:2] + [[("A", 1), ("C", 1)]], 16, device,
-                                       seed=seed)):
+    for i, (md, _) in enumerate(
+        _steps(_schedule(16)[:2] + [[("A", 1), ("C", 1)]], 16, device, seed=seed)
+    ):
         x = _hidden(md, device, seed + i)
-        out, out_ref, out_plain = (layer(x, md.positions, md, c)
-                                   for layer, c in zip((fused, ref, plain), caches))
+        out, out_ref, out_plain = (
+            layer(x, md.positions, md, c) for layer, c in zip((fused, ref, plain), caches)
+        )
         _assert_out_close(out, out_ref)
         # the prefill path uses the unquantized weight; decode rows see the quantization
         _assert_out_close(out, out_plain, tol={"fp8": 0.05, "mxfp4": 0.2}[weight_format])
@@ -292,13 +335,13 @@ def _model_f64(d, sd, cfg, history, q, kv_c, k_pe, md):
     neox = not cfg["rope_interleave"]
     pos = md.positions.cpu()
     cos_sin = rope_cache_from_hf_config(cfg, dtype=torch.float64)[pos]
-    cos, sin = cos_sin[:, :R // 2], cos_sin[:, R // 2:]
+    cos, sin = cos_sin[:, : R // 2], cos_sin[:, R // 2 :]
     q_rot = rope_f64(q[..., P:].cpu(), cos[:, None], sin[:, None], neox)
     rows = torch.cat([kv_c.double().cpu(), rope_f64(k_pe.cpu(), cos, sin, neox)], dim=-1)
     out = torch.zeros(md.num_tokens, H, V, dtype=torch.float64)
     qsl = md.query_start_loc_cpu
     for r, hist in history.items():
-        hist.extend(rows[qsl[r]:qsl[r + 1]])
+        hist.extend(rows[qsl[r] : qsl[r + 1]])
         keys = torch.stack(hist)  # [S, L+R]
         for t in range(qsl[r], qsl[r + 1]):
             n = int(pos[t]) + 1
@@ -349,8 +392,9 @@ def _expected_calls(flags, N, D):
 
 
 @pytest.mark.parametrize("source", ["env", "config"])
-@pytest.mark.parametrize("flags", FLAG_CASES,
-                         ids=lambda f: f"decode={int(f[0])}-prefill={int(f[1])}")
+@pytest.mark.parametrize(
+    "flags", FLAG_CASES, ids=lambda f: f"decode={int(f[0])}-prefill={int(f[1])}"
+)
 def test_flag_combinations(device, flags, source, counters, monkeypatch):
     """Each combination runs its halves where the flags say, writes each token's row once, and
     agrees with the all-reference layer."""
@@ -434,8 +478,9 @@ def test_rope_is_applied_exactly_once(device, flags):
         q, kv_c, k_pe = _latent_inputs(md, device, g)
         q_rot, k_rot = _pre_rotated(layer, q, k_pe, md.positions)
         out = layer.forward_latent(q, kv_c, k_pe, md.positions, md, normal)
-        out_applied = layer.forward_latent(q_rot, kv_c, k_rot, md.positions, md, applied,
-                                           rope_applied=True)
+        out_applied = layer.forward_latent(
+            q_rot, kv_c, k_rot, md.positions, md, applied, rope_applied=True
+        )
         out_twice = layer.forward_latent(q_rot, kv_c, k_rot, md.positions, md, twice)
         _assert_out_close(out_applied, out, tol=2e-3)
         _assert_caches_agree(applied, normal, layer.L)
@@ -453,12 +498,13 @@ def test_one_launch_and_one_cache_write_per_step(device, counters):
     seed = stable_seed("one-write")
     layer = _layer(device, seed, None)  # the defaults: both fused
     cache, kv_scale = _cache(device, 16, "fp8")
-    for i, (md, _) in enumerate(_steps(_schedule(16), 16, device, pad_decodes_to=5,
-                                       seed=seed)):
+    for i, (md, _) in enumerate(_steps(_schedule(16), 16, device, pad_decodes_to=5, seed=seed)):
         before = cache.clone()
         layer(_hidden(md, device, seed + i), md.positions, md, cache, kv_scale)
-        assert counters.take() == {"launch": [(md.num_tokens, md.num_decode_tokens)],
-                                   "ref_write": []}
+        assert counters.take() == {
+            "launch": [(md.num_tokens, md.num_decode_tokens)],
+            "ref_write": [],
+        }
         _assert_only_slots_changed(cache, before, md)
 
 
@@ -473,12 +519,14 @@ def test_padding_requests_write_nothing(device, flags):
     cache = (torch.randn(24, 16, d["L"] + d["R"], generator=g) * 4).to(device, FP8)
     kv_scale = torch.tensor([KV_SCALE], device=device)
     schedule = [[("A", 5), ("B", 3)], [("A", 1), ("B", 1)], [("B", 1), ("A", 1)]]
-    for i, (md, rids) in enumerate(_steps(schedule, 16, device, pad_decodes_to=5,
-                                          reserve_block0=True)):
+    for i, (md, rids) in enumerate(
+        _steps(schedule, 16, device, pad_decodes_to=5, reserve_block0=True)
+    ):
         before = cache.clone()
         x = _hidden(md, device, seed + i)
-        out = layer.forward_latent(*_latent_inputs(md, device, g), md.positions, md, cache,
-                                   kv_scale)
+        out = layer.forward_latent(
+            *_latent_inputs(md, device, g), md.positions, md, cache, kv_scale
+        )
         _assert_only_slots_changed(cache, before, md)
         assert torch.equal(cache[0, 0].view(torch.uint8), before[0, 0].view(torch.uint8))
         pad = [r for r, rid in enumerate(rids) if rid is None]
@@ -510,8 +558,11 @@ def test_non_finite_activation_stays_in_its_request(device, kv, bad, flags):
     seed = stable_seed("non-finite", kv, bad, flags)
     layer = _layer(device, seed, flags)
     cache, kv_scale = _cache(device, 16, kv)
-    schedule = [[("A", 4), ("B", 3)], [("A", 1), ("B", 1), ("C", 5), ("E", 3)],
-                [("A", 1), ("B", 1), ("C", 1), ("E", 1)]]
+    schedule = [
+        [("A", 4), ("B", 3)],
+        [("A", 1), ("B", 1), ("C", 5), ("E", 3)],
+        [("A", 1), ("B", 1), ("C", 1), ("E", 1)],
+    ]
     n_slots = cache.shape[0] * cache.shape[1]
     for i, (md, rids) in enumerate(_steps(schedule, 16, device, seed=seed)):
         x = _hidden(md, device, seed + i)
@@ -531,19 +582,18 @@ def test_non_finite_activation_stays_in_its_request(device, kv, bad, flags):
                 assert finite[list(toks)].all(), f"request {rid} got a non-finite row"
         if i == 1:
             c0 = qsl[row["C"]]
-            assert finite[c0:c0 + 2].all() and not finite[bad_token]
+            assert finite[c0 : c0 + 2].all() and not finite[bad_token]
             # C's later tokens attend to the bad row (unless it was stored finite: see
             # _fp8_nan_kept)
             if _fp8_nan_kept(device, kv, flags):
-                assert not finite[bad_token + 1:c0 + 5].any()
+                assert not finite[bad_token + 1 : c0 + 5].any()
             slots = md.slot_mapping.cpu()
-            others = [t for t in range(md.num_tokens)
-                      if t != bad_token and 0 <= slots[t] < n_slots]
+            others = [t for t in range(md.num_tokens) if t != bad_token and 0 <= slots[t] < n_slots]
             rows = cache.reshape(-1, cache.shape[-1])[slots[others].to(cache.device)].float()
             assert torch.isfinite(rows).all()
             if kv == "fp8":
                 big = cache.reshape(-1, cache.shape[-1])[int(slots[big_token])].float()
-                assert float(big[layer.L:].abs().max()) == 448.0
+                assert float(big[layer.L :].abs().max()) == 448.0
         if i == 2 and _fp8_nan_kept(device, kv, flags):
             assert not finite[row["C"]]  # C's decode attends to the bad row
 
@@ -552,9 +602,13 @@ def test_fused_fp8_cache_keeps_nan(device, request):
     """A NaN cache value is stored as an FP8 NaN, as the reference (torch's cast) stores it.
     Known to fail under the Triton interpreter (strict xfail there: it reports the fix)."""
     if device == "cpu":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="under the Triton interpreter the fused kernel stores a finite "
-                                "FP8 code for NaN (the reference and the compiled kernel: NaN)"))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="under the Triton interpreter the fused kernel stores a finite "
+                "FP8 code for NaN (the reference and the compiled kernel: NaN)",
+            )
+        )
     seed = stable_seed("fp8-nan")
     layer = _layer(device, seed, (True, True))
     cache, kv_scale = _cache(device, 16, "fp8")
@@ -583,8 +637,7 @@ def _prefilled(device, seed, layer, names, bs=16, num_blocks=32, max_blocks=4):
 
 def _decode_step(names, ctx, alloc, device, max_b, max_blocks=4):
     steps = [RequestStep(n, ctx[n], 1) for n in names]
-    md, _ = build_metadata(steps, alloc, device=device, pad_decodes_to=max_b,
-                           max_blocks=max_blocks)
+    md, _ = build_metadata(steps, alloc, device=device, pad_decodes_to=max_b, max_blocks=max_blocks)
     for n in names:
         ctx[n] += 1
     return md
@@ -624,8 +677,7 @@ def test_compiled_decode_step_inductor_cuda(device):
     cache_eager = cache.clone()
     eager = step(x, md.positions, cache_eager, kv_scale)
     before = cache.clone()
-    out = torch.compile(step, fullgraph=True, backend="inductor")(x, md.positions, cache,
-                                                                  kv_scale)
+    out = torch.compile(step, fullgraph=True, backend="inductor")(x, md.positions, cache, kv_scale)
     _assert_out_close(out, eager)
     _assert_caches_agree(cache, cache_eager, layer.L, latent_exact=False)
     _assert_only_slots_changed(cache, before, md)
@@ -724,7 +776,7 @@ def test_rope_and_scale_come_from_the_config(device):
     cos, sin = split_cos_sin_cache(rope_cache_from_hf_config(cfg, device=device))
     assert torch.equal(layer.cos_cache, cos) and torch.equal(layer.sin_cache, sin)
     mscale = 0.1 * math.log(4.0) + 1.0
-    assert layer.softmax_scale == pytest.approx((d["P"] + d["R"]) ** -0.5 * mscale ** 2)
+    assert layer.softmax_scale == pytest.approx((d["P"] + d["R"]) ** -0.5 * mscale**2)
     assert layer.is_neox is False and layer.dtype == torch.bfloat16
     assert fusemla.MLAAttention is MLAAttention and fusemla.MLAConfig is MLAConfig
     assert not any(p.requires_grad for p in layer.parameters())
@@ -755,52 +807,114 @@ def _bad_calls(device):
     wide = torch.cat([cache, cache[:, :, :1]], dim=-1)
     fp8_kvb = dict(sd, **{"kv_b_proj.weight": sd["kv_b_proj.weight"].to(FP8)})
     calls = {
-        "hidden-width": (lambda: layer(x[:, :-1], pos, md, cache, 1.0), FuseMLAValueError,
-                         "hidden_states"),
-        "hidden-tokens": (lambda: layer(x[:-1], pos, md, cache, 1.0), FuseMLAValueError,
-                          "hidden_states"),
-        "hidden-dtype": (lambda: layer(x.float(), pos, md, cache, 1.0), FuseMLATypeError,
-                         "hidden_states"),
-        "positions": (lambda: layer(x, pos[:-1], md, cache, 1.0), FuseMLAValueError,
-                      "positions"),
-        "metadata": (lambda: layer(x, pos, {"slot_mapping": md.slot_mapping}, cache, 1.0),
-                     FuseMLATypeError, "metadata"),
-        "cache-block-size": (lambda: layer(x, pos, md, cache.view(-1, 32, cache.shape[-1]),
-                                           1.0), FuseMLAValueError, "kv_cache"),
+        "hidden-width": (
+            lambda: layer(x[:, :-1], pos, md, cache, 1.0),
+            FuseMLAValueError,
+            "hidden_states",
+        ),
+        "hidden-tokens": (
+            lambda: layer(x[:-1], pos, md, cache, 1.0),
+            FuseMLAValueError,
+            "hidden_states",
+        ),
+        "hidden-dtype": (
+            lambda: layer(x.float(), pos, md, cache, 1.0),
+            FuseMLATypeError,
+            "hidden_states",
+        ),
+        "positions": (lambda: layer(x, pos[:-1], md, cache, 1.0), FuseMLAValueError, "positions"),
+        "metadata": (
+            lambda: layer(x, pos, {"slot_mapping": md.slot_mapping}, cache, 1.0),
+            FuseMLATypeError,
+            "metadata",
+        ),
+        "cache-block-size": (
+            lambda: layer(x, pos, md, cache.view(-1, 32, cache.shape[-1]), 1.0),
+            FuseMLAValueError,
+            "kv_cache",
+        ),
         "cache-width": (lambda: layer(x, pos, md, wide, 1.0), FuseMLAValueError, "kv_cache"),
         "fp8-no-scale": (lambda: layer(x, pos, md, cache), FuseMLAValueError, "kv_scale"),
-        "q-heads": (lambda: layer.forward_latent(q[:, :1], kv_c, k_pe, pos, md, cache, 1.0),
-                    FuseMLAValueError, "q"),
-        "kv_c-width": (lambda: layer.forward_latent(q, kv_c[:, 1:], k_pe, pos, md, cache, 1.0),
-                       FuseMLAValueError, "kv_c"),
-        "k_pe-dtype": (lambda: layer.forward_latent(q, kv_c, k_pe.half(), pos, md, cache, 1.0),
-                       FuseMLATypeError, "k_pe"),
-        "rope_applied": (lambda: layer.forward_latent(q, kv_c, k_pe, pos, md, cache, 1.0,
-                                                      rope_applied="yes"),
-                         FuseMLATypeError, "rope_applied"),
+        "q-heads": (
+            lambda: layer.forward_latent(q[:, :1], kv_c, k_pe, pos, md, cache, 1.0),
+            FuseMLAValueError,
+            "q",
+        ),
+        "kv_c-width": (
+            lambda: layer.forward_latent(q, kv_c[:, 1:], k_pe, pos, md, cache, 1.0),
+            FuseMLAValueError,
+            "kv_c",
+        ),
+        "k_pe-dtype": (
+            lambda: layer.forward_latent(q, kv_c, k_pe.half(), pos, md, cache, 1.0),
+            FuseMLATypeError,
+            "k_pe",
+        ),
+        "rope_applied": (
+            lambda: layer.forward_latent(q, kv_c, k_pe, pos, md, cache, 1.0, rope_applied="yes"),
+            FuseMLATypeError,
+            "rope_applied",
+        ),
         "weight_format": (build(weight_format="int4"), FuseMLAValueError, "weight_format"),
         "dtype": (build(dtype=torch.float32), FuseMLATypeError, "dtype"),
         "config": (build(config={"fused_decode": True}), FuseMLATypeError, "config"),
-        "missing-key": (build(sd={k: v for k, v in sd.items() if k != "o_proj.weight"}),
-                        FuseMLAValueError, "state_dict"),
-        "unexpected-key": (build(sd=dict(sd, **{"rotary_emb.inv_freq": torch.ones(4)})),
-                           FuseMLAValueError, "state_dict"),
-        "key-shape": (build(sd=dict(sd, **{"o_proj.weight": sd["o_proj.weight"][:, 1:]})),
-                      FuseMLAValueError, "state_dict['o_proj.weight']"),
-        "fp8-without-scale": (build(sd=fp8_kvb), FuseMLAValueError,
-                              "state_dict['kv_b_proj.weight_scale_inv']"),
-        "hf-config": (build(cfg=dict(cfg, kv_lora_rank=None)), FuseMLAValueError,
-                      "hf_config.kv_lora_rank"),
-        "hf-module": (lambda: MLAAttention.from_hf(torch.nn.Linear(2, 2)), FuseMLATypeError,
-                      "module"),
+        "missing-key": (
+            build(sd={k: v for k, v in sd.items() if k != "o_proj.weight"}),
+            FuseMLAValueError,
+            "state_dict",
+        ),
+        "unexpected-key": (
+            build(sd=dict(sd, **{"rotary_emb.inv_freq": torch.ones(4)})),
+            FuseMLAValueError,
+            "state_dict",
+        ),
+        "key-shape": (
+            build(sd=dict(sd, **{"o_proj.weight": sd["o_proj.weight"][:, 1:]})),
+            FuseMLAValueError,
+            "state_dict['o_proj.weight']",
+        ),
+        "fp8-without-scale": (
+            build(sd=fp8_kvb),
+            FuseMLAValueError,
+            "state_dict['kv_b_proj.weight_scale_inv']",
+        ),
+        "hf-config": (
+            build(cfg=dict(cfg, kv_lora_rank=None)),
+            FuseMLAValueError,
+            "hf_config.kv_lora_rank",
+        ),
+        "hf-module": (
+            lambda: MLAAttention.from_hf(torch.nn.Linear(2, 2)),
+            FuseMLATypeError,
+            "module",
+        ),
     }
     return calls, cache
 
 
-_BAD_CASES = ["hidden-width", "hidden-tokens", "hidden-dtype", "positions", "metadata",
-              "cache-block-size", "cache-width", "fp8-no-scale", "q-heads", "kv_c-width",
-              "k_pe-dtype", "rope_applied", "weight_format", "dtype", "config", "missing-key",
-              "unexpected-key", "key-shape", "fp8-without-scale", "hf-config", "hf-module"]
+_BAD_CASES = [
+    "hidden-width",
+    "hidden-tokens",
+    "hidden-dtype",
+    "positions",
+    "metadata",
+    "cache-block-size",
+    "cache-width",
+    "fp8-no-scale",
+    "q-heads",
+    "kv_c-width",
+    "k_pe-dtype",
+    "rope_applied",
+    "weight_format",
+    "dtype",
+    "config",
+    "missing-key",
+    "unexpected-key",
+    "key-shape",
+    "fp8-without-scale",
+    "hf-config",
+    "hf-module",
+]
 
 
 @pytest.mark.parametrize("case", _BAD_CASES)

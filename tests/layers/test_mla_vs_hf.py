@@ -165,15 +165,15 @@ def hf_module(q_lora_rank: int | None) -> HFAttention:
     if q_lora_rank not in _HF_MODULES:
         config = tiny_deepseek_v3_config(q_lora_rank=q_lora_rank)
         _HF_MODULES[q_lora_rank] = make_hf_attention(
-            config, seed=stable_seed("test_mla_vs_hf", "weights", q_lora_rank))
+            config, seed=stable_seed("test_mla_vs_hf", "weights", q_lora_rank)
+        )
     return _HF_MODULES[q_lora_rank]
 
 
 def with_layer_w_uk(hf: HFAttention, layer: MLAAttention) -> HFAttention:
     """A copy of ``hf`` whose kv_b_proj W_UK rows are the layer's (dequantized) W_UK_T."""
     cfg = hf.config
-    H, P, V, L = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
-                  cfg.kv_lora_rank)
+    H, P, V, L = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
     w_uk = layer.W_UK_T.dequantize(torch.float32).cpu()  # [H, P, L]
     attn = copy.deepcopy(hf.attn)
     with torch.no_grad():
@@ -194,18 +194,19 @@ class Reference:
     k_pe: torch.Tensor  # [total, R] HF's rotated k_pe, interleaved (the cache layout)
 
 
-def reference(hf: HFAttention, hf_dec: HFAttention, rid: str, total: int, case: Case
-              ) -> Reference:
+def reference(hf: HFAttention, hf_dec: HFAttention, rid: str, total: int, case: Case) -> Reference:
     g = torch.Generator().manual_seed(stable_seed("test_mla_vs_hf", "hidden", rid))
     hidden = hf.random_hidden(total, g)
     kv_dtype = case.kv_dtype if case.fp8_cache else None
     rt = LatentRoundTrip(kv_dtype, case.kv_scale)
     out = hf.outputs(hidden, cache=rt)
-    out_dec = out if hf_dec is hf else hf_dec.outputs(
-        hidden, cache=LatentRoundTrip(kv_dtype, case.kv_scale))
+    out_dec = (
+        out
+        if hf_dec is hf
+        else hf_dec.outputs(hidden, cache=LatentRoundTrip(kv_dtype, case.kv_scale))
+    )
     out_plain = hf.outputs(hidden) if case.fp8_cache else out
-    return Reference(hidden, out, out_dec, out_plain, rt.kv_c[0, 0],
-                     interleave_rope(rt.k_pe[0, 0]))
+    return Reference(hidden, out, out_dec, out_plain, rt.kv_c[0, 0], interleave_rope(rt.k_pe[0, 0]))
 
 
 @dataclass
@@ -229,9 +230,16 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return rel_err(got, want), float(per_row.max())
 
 
-def run_schedule(case: Case, requests, num_steps: int, *, padded_steps=(),
-                 seed_tag: str = "mixed", prefill_cache_from_hf: bool = False,
-                 device: str = "cpu") -> list[StepResult]:
+def run_schedule(
+    case: Case,
+    requests,
+    num_steps: int,
+    *,
+    padded_steps=(),
+    seed_tag: str = "mixed",
+    prefill_cache_from_hf: bool = False,
+    device: str = "cpu",
+) -> list[StepResult]:
     """Run the layer over the schedule, compare after every step, return the per-step errors.
 
     ``prefill_cache_from_hf``: write every request's prompt rows into the cache from HF's
@@ -243,8 +251,9 @@ def run_schedule(case: Case, requests, num_steps: int, *, padded_steps=(),
     cfg = hf.config
     L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     attn = hf.attn if device == "cpu" else copy.deepcopy(hf.attn).to(device)
-    layer = MLAAttention.from_hf(attn, dtype=torch.bfloat16, weight_format=case.weight_format,
-                                 config=case.config)
+    layer = MLAAttention.from_hf(
+        attn, dtype=torch.bfloat16, weight_format=case.weight_format, config=case.config
+    )
     hf_dec = hf if case.weight_format == "plain" else with_layer_w_uk(hf, layer)
     refs = {r.rid: reference(hf, hf_dec, r.rid, r.total, case) for r in requests}
     bs = case.block_size
@@ -263,7 +272,7 @@ def run_schedule(case: Case, requests, num_steps: int, *, padded_steps=(),
     if prefill_cache_from_hf:
         for r in requests:
             alloc.ensure(r.rid, r.prompt)
-            rows = torch.cat([refs[r.rid].kv_c[:r.prompt], refs[r.rid].k_pe[:r.prompt]], -1)
+            rows = torch.cat([refs[r.rid].kv_c[: r.prompt], refs[r.rid].k_pe[: r.prompt]], -1)
             if case.fp8_cache:
                 rows = (rows / torch.tensor(KV_SCALE)).clamp(-fmax, fmax).to(FP8)
             slots = [alloc.slot(r.rid, p) for p in range(r.prompt)]
@@ -295,7 +304,7 @@ def run_schedule(case: Case, requests, num_steps: int, *, padded_steps=(),
                 t += 1
                 continue
             rid, ctx, n = work[i]
-            hidden_rows.append(refs[rid].hidden[ctx:ctx + n])
+            hidden_rows.append(refs[rid].hidden[ctx : ctx + n])
             real_rows.extend(range(t, t + n))
             live.append((rid, ctx, n))
             t += n
@@ -319,14 +328,14 @@ def run_schedule(case: Case, requests, num_steps: int, *, padded_steps=(),
         for rid, ctx, n in live:
             ref = refs[rid]
             dec = is_decode(ctx, n)
-            want.append((ref.out_dec if dec else ref.out)[ctx:ctx + n])
-            want_plain.append(ref.out_plain[ctx:ctx + n])
-            lat.append(torch.cat([ref.kv_c[ctx:ctx + n], ref.k_pe[ctx:ctx + n]], -1))
+            want.append((ref.out_dec if dec else ref.out)[ctx : ctx + n])
+            want_plain.append(ref.out_plain[ctx : ctx + n])
+            lat.append(torch.cat([ref.kv_c[ctx : ctx + n], ref.k_pe[ctx : ctx + n]], -1))
             # HF over the layer's own cache rows of this request (positions 0 .. ctx+n-1)
             own = flat_now[torch.tensor([alloc.slot(rid, p) for p in range(ctx + n)])].float()
             own = own * scale
             rt = LatentRoundTrip(replace=(own[:, :L], own[:, L:]))
-            want_own.append((hf_dec if dec else hf).outputs(ref.hidden[:ctx + n], ctx, cache=rt))
+            want_own.append((hf_dec if dec else hf).outputs(ref.hidden[: ctx + n], ctx, cache=rt))
 
         # the cache: this step's rows hold HF's latents; rows nobody owned keep their poison
         written.update(slots)
@@ -339,18 +348,29 @@ def run_schedule(case: Case, requests, num_steps: int, *, padded_steps=(),
             code_share, code_max = float((dist > 0).float().mean()), int(dist.max())
             lat = fp8_round_trip(lat, KV_SCALE, FP8)
         untouched = torch.tensor([s for s in range(flat.shape[0]) if s not in written])
-        assert (flat_now[untouched].view(torch.uint8) == poison.view(torch.uint8)).all(), \
+        assert (flat_now[untouched].view(torch.uint8) == poison.view(torch.uint8)).all(), (
             f"step {step}: cache rows outside the requests' slots were written"
+        )
 
         rel, row_max = _errors(got, torch.cat(want))
         rel_plain, row_max_plain = _errors(got, torch.cat(want_plain))
         rel_own, row_max_own = _errors(got, torch.cat(want_own))
-        results.append(StepResult(
-            step=step, num_decodes=sum(1 for _, ctx, n in live if is_decode(ctx, n)),
-            num_prefill_tokens=md.num_prefill_tokens, rel=rel, row_max=row_max,
-            rel_plain=rel_plain, row_max_plain=row_max_plain, rel_own=rel_own,
-            row_max_own=row_max_own, cache_rel=rel_err(codes.float() * scale, lat),
-            code_share=code_share, code_max=code_max))
+        results.append(
+            StepResult(
+                step=step,
+                num_decodes=sum(1 for _, ctx, n in live if is_decode(ctx, n)),
+                num_prefill_tokens=md.num_prefill_tokens,
+                rel=rel,
+                row_max=row_max,
+                rel_plain=rel_plain,
+                row_max_plain=row_max_plain,
+                rel_own=rel_own,
+                row_max_own=row_max_own,
+                cache_rel=rel_err(codes.float() * scale, lat),
+                code_share=code_share,
+                code_max=code_max,
+            )
+        )
     return results
 
 
@@ -365,19 +385,24 @@ def check(case: Case, results: list[StepResult]) -> None:
     for r in results:
         for step_key, row_key, (step_tol, row_tol) in limits:
             if not (getattr(r, step_key) < step_tol and getattr(r, row_key) < row_tol):
-                bad.append(f"step {r.step}: {step_key} {getattr(r, step_key):.3g} / "
-                           f"{row_key} {getattr(r, row_key):.3g} >= {step_tol} / {row_tol}")
+                bad.append(
+                    f"step {r.step}: {step_key} {getattr(r, step_key):.3g} / "
+                    f"{row_key} {getattr(r, row_key):.3g} >= {step_tol} / {row_tol}"
+                )
         if not r.cache_rel < cache_tol:
             bad.append(f"step {r.step}: cache rows rel {r.cache_rel:.3g} >= {cache_tol}")
         if not r.code_share <= TOL["fp8_code_share"]:
-            bad.append(f"step {r.step}: {r.code_share:.1%} of the FP8 cache codes differ from "
-                       f"HF's (> {TOL['fp8_code_share']:.0%})")
+            bad.append(
+                f"step {r.step}: {r.code_share:.1%} of the FP8 cache codes differ from "
+                f"HF's (> {TOL['fp8_code_share']:.0%})"
+            )
     summary = "\n".join(
         f"  step {r.step:2d}: {r.num_decodes} dec + {r.num_prefill_tokens:2d} prefill tok: "
         f"rel {r.rel:.2e} (row {r.row_max:.2e}), plain HF {r.rel_plain:.2e} "
         f"(row {r.row_max_plain:.2e}), own cache {r.rel_own:.2e} (row {r.row_max_own:.2e}), "
         f"cache {r.cache_rel:.2e}, fp8 codes off {r.code_share:.3f} (max {r.code_max})"
-        for r in results)
+        for r in results
+    )
     print(f"\n{case}\n{summary}")
     assert not bad, "\n".join(bad) + "\n" + summary
 
@@ -403,8 +428,9 @@ def test_schedule_is_mixed() -> None:
     done = {rid: ctx + n for work in plan for rid, ctx, n in work}
     assert done == {r.rid: r.total for r in MIXED}
     last = {rid: s for s, work in enumerate(plan) for rid, _, _ in work}
-    first = {rid: min(s for s, work in enumerate(plan) if rid in [w[0] for w in work])
-             for rid in done}
+    first = {
+        rid: min(s for s, work in enumerate(plan) if rid in [w[0] for w in work]) for rid in done
+    }
     assert last["a"] < first["e"]
 
 
@@ -431,13 +457,16 @@ def test_fp8_weight_matches_hf(device) -> None:
 
 def test_unfused_paths_match_hf(device) -> None:
     """The layer's reference (unfused) prologue for both halves, FP8 cache, against HF."""
-    case = Case(q_lora_rank=48, kv_dtype=FP8, block_size=16,
-                config=MLAConfig(fused_decode=False, fused_prefill=False))
+    case = Case(
+        q_lora_rank=48,
+        kv_dtype=FP8,
+        block_size=16,
+        config=MLAConfig(fused_decode=False, fused_prefill=False),
+    )
     check(case, run_schedule(case, MIXED, NUM_STEPS, padded_steps=PADDED_STEPS, device=device))
 
 
-PROMPTS = (Request("p5", 5, 5, 0, 5), Request("p17", 17, 17, 0, 17),
-           Request("p33", 33, 33, 0, 33))
+PROMPTS = (Request("p5", 5, 5, 0, 5), Request("p17", 17, 17, 0, 17), Request("p33", 33, 33, 0, 33))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
@@ -449,8 +478,7 @@ def test_prefill_only(kv_dtype, device) -> None:
     check(case, results)
 
 
-DECODES = (Request("d5", 5, 8, 0, 5), Request("d17", 17, 20, 0, 17),
-           Request("d33", 33, 36, 0, 33))
+DECODES = (Request("d5", 5, 8, 0, 5), Request("d17", 17, 20, 0, 17), Request("d33", 33, 36, 0, 33))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
@@ -458,8 +486,9 @@ def test_decode_only(kv_dtype, device) -> None:
     """The prompts' cache rows written from HF's own latents, then three all-decode steps: the
     decode path alone, against HF."""
     case = Case(q_lora_rank=48, kv_dtype=kv_dtype, block_size=16)
-    results = run_schedule(case, DECODES, 4, seed_tag="decode-only", prefill_cache_from_hf=True,
-                           device=device)
+    results = run_schedule(
+        case, DECODES, 4, seed_tag="decode-only", prefill_cache_from_hf=True, device=device
+    )
     assert len(results) == 3 and all(r.num_prefill_tokens == 0 for r in results)
     check(case, results)
 
@@ -481,8 +510,12 @@ def test_hf_harness_matches_incremental_decoding(q_lora_rank) -> None:
         for lo, hi in [(0, 7)] + [(p, p + 1) for p in range(7, 16)]:
             cos, sin = hf.rotary(x[None, lo:hi], torch.arange(lo, hi)[None])
             mask = causal_mask(hi - lo) if hi - lo > 1 else None
-            o, _ = hf.attn(x[None, lo:hi], position_embeddings=(cos, sin), attention_mask=mask,
-                           past_key_values=cache)
+            o, _ = hf.attn(
+                x[None, lo:hi],
+                position_embeddings=(cos, sin),
+                attention_mask=mask,
+                past_key_values=cache,
+            )
             outs.append(o[0])
     assert rel_err(torch.cat(outs), full) < 1e-5
     assert torch.equal(hf.outputs(x, start=9), full[9:])

@@ -54,9 +54,17 @@ KV_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_decode_matches_reference(device, dtype, is_neox, kv, B, H, block_size):
     kv_dtype, scale = KV_CASES[kv]
-    inp = make_inputs(B, **_dims(device, H), dtype=dtype, kv_dtype=kv_dtype, kv_scale=scale,
-                      block_size=block_size, pad_fraction=0.25 if B > 1 else 0.0,
-                      device=device, generator=_gen(dtype, is_neox, kv, B, H, block_size))
+    inp = make_inputs(
+        B,
+        **_dims(device, H),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        kv_scale=scale,
+        block_size=block_size,
+        pad_fraction=0.25 if B > 1 else 0.0,
+        device=device,
+        generator=_gen(dtype, is_neox, kv, B, H, block_size),
+    )
     out = None
     if B == 3:  # a given, poisoned output buffer
         out = poisoned((B, H, inp.kv_c.shape[1] + inp.q_pe.shape[2]), dtype, device)
@@ -73,21 +81,31 @@ def test_mixed_batch_matches_reference(device, split, kv, rope_applied, is_neox)
     N = 40
     D = {"all-prefill": 0, "1+rest": 1, "half": 20, "33+7": 33}[split]
     kv_dtype, scale = KV_CASES[kv]
-    inp = make_inputs(N, **_dims(device, 4), num_decode_tokens=D, kv_dtype=kv_dtype,
-                      kv_scale=scale, pad_fraction=0.2, device=device,
-                      generator=_gen("mixed", split, kv, rope_applied, is_neox))
+    inp = make_inputs(
+        N,
+        **_dims(device, 4),
+        num_decode_tokens=D,
+        kv_dtype=kv_dtype,
+        kv_scale=scale,
+        pad_fraction=0.2,
+        device=device,
+        generator=_gen("mixed", split, kv, rope_applied, is_neox),
+    )
     dims = _dims(device, 4)
-    outs = dict(out=poisoned((D, 4, dims["L"] + dims["R"]), torch.bfloat16, device),
-                q_pe_out=poisoned((N - D, 4, dims["R"]), torch.bfloat16, device),
-                k_pe_out=poisoned((N - D, dims["R"]), torch.bfloat16, device))
+    outs = dict(
+        out=poisoned((D, 4, dims["L"] + dims["R"]), torch.bfloat16, device),
+        q_pe_out=poisoned((N - D, 4, dims["R"]), torch.bfloat16, device),
+        k_pe_out=poisoned((N - D, dims["R"]), torch.bfloat16, device),
+    )
     res = run_and_compare(mla_prologue, inp, is_neox=is_neox, rope_applied=rope_applied, **outs)
     res.assert_ok()
 
 
 def test_prefill_q_pe_rotated_in_place(device):
     N, D = 12, 5
-    inp = make_inputs(N, **_dims(device, 4), num_decode_tokens=D, device=device,
-                      generator=_gen("inplace"))
+    inp = make_inputs(
+        N, **_dims(device, 4), num_decode_tokens=D, device=device, generator=_gen("inplace")
+    )
     before_q_pe = inp.q_pe.clone()
     cache_before = inp.kv_cache.clone()
     cache_ref = inp.kv_cache.clone()
@@ -115,8 +133,9 @@ class _CountingKernel:
 def test_mixed_batch_is_one_launch(device, monkeypatch):
     counter = _CountingKernel(launch.mla_prologue_kernel)
     monkeypatch.setattr(launch, "mla_prologue_kernel", counter)
-    inp = make_inputs(9, **_dims(device, 2), num_decode_tokens=4, device=device,
-                      generator=_gen("one-launch"))
+    inp = make_inputs(
+        9, **_dims(device, 2), num_decode_tokens=4, device=device, generator=_gen("one-launch")
+    )
     run_and_compare(mla_prologue, inp).assert_ok()
     assert counter.launches == 1
 
@@ -124,14 +143,16 @@ def test_mixed_batch_is_one_launch(device, monkeypatch):
 def test_compare_catches_double_rope_and_a_skipped_prefill_write(device):
     """The comparison the suite relies on fails for the bugs it must catch."""
     N, D = 10, 4
-    inp = make_inputs(N, **_dims(device, 2), num_decode_tokens=D, device=device,
-                      generator=_gen("catch"))
+    inp = make_inputs(
+        N, **_dims(device, 2), num_decode_tokens=D, device=device, generator=_gen("catch")
+    )
     before = inp.kv_cache.clone()
     # rotated twice: the fused op given already-rotated inputs without rope_applied
     rotated = inp.run(mla_prologue_ref, kv_cache=before.clone())
-    twice = make_inputs(N, **_dims(device, 2), num_decode_tokens=D, device=device,
-                        generator=_gen("catch"))
-    twice.q_pe = torch.cat([rotated.q[..., twice.kv_c.shape[1]:], rotated.q_pe])
+    twice = make_inputs(
+        N, **_dims(device, 2), num_decode_tokens=D, device=device, generator=_gen("catch")
+    )
+    twice.q_pe = torch.cat([rotated.q[..., twice.kv_c.shape[1] :], rotated.q_pe])
     out = twice.run(mla_prologue)
     res = check_against_reference(twice, out, before, rope_applied=True)
     assert not res.ok and any("q" in p for p in res.problems), res.problems
@@ -145,12 +166,19 @@ def test_compare_catches_double_rope_and_a_skipped_prefill_write(device):
         assert any(p.startswith("cache:") for p in res.problems), res.problems
 
 
-@pytest.mark.parametrize("variant", ["int32-bf16rope", "kpe-3d", "contiguous", "fp16-cache",
-                                     "strided-cache", "e4m3fnuz-cache"])
+@pytest.mark.parametrize(
+    "variant",
+    ["int32-bf16rope", "kpe-3d", "contiguous", "fp16-cache", "strided-cache", "e4m3fnuz-cache"],
+)
 def test_input_variants(device, variant):
     """index dtypes, bf16 RoPE caches, k_pe [N,1,R], contiguous copies, other cache dtypes."""
-    kw = dict(dtype=torch.bfloat16, device=device, generator=_gen("variant", variant),
-              pad_fraction=0.3, num_decode_tokens=3)
+    kw = dict(
+        dtype=torch.bfloat16,
+        device=device,
+        generator=_gen("variant", variant),
+        pad_fraction=0.3,
+        num_decode_tokens=3,
+    )
     if variant == "int32-bf16rope":
         kw.update(index_dtype=torch.int32, rope_dtype=torch.bfloat16)
     if variant == "fp16-cache":
@@ -177,12 +205,17 @@ def test_input_variants(device, variant):
 
 
 def test_out_of_range_positions_are_clamped_and_slots_skipped(device):
-    inp = make_inputs(6, **_dims(device, 2), device=device, generator=_gen("oor"),
-                      max_position=64, num_decode_tokens=4)
+    inp = make_inputs(
+        6,
+        **_dims(device, 2),
+        device=device,
+        generator=_gen("oor"),
+        max_position=64,
+        num_decode_tokens=4,
+    )
     n_slots = inp.kv_cache.shape[0] * inp.kv_cache.shape[1]
     inp.positions = torch.tensor([0, 63, 64, 10_000, -5, 7], device=device)
-    inp.slot_mapping = torch.tensor([3, n_slots, n_slots + 1000, 5, -7, n_slots - 1],
-                                    device=device)
+    inp.slot_mapping = torch.tensor([3, n_slots, n_slots + 1000, 5, -7, n_slots - 1], device=device)
     run_and_compare(mla_prologue, inp).assert_ok()
     # clamping means position 64 and 10_000 rotate like 63, -5 like 0
     L = inp.kv_c.shape[1]
@@ -194,8 +227,9 @@ def test_out_of_range_positions_are_clamped_and_slots_skipped(device):
 
 def test_debug_checks_raise(device, monkeypatch):
     monkeypatch.setenv("FUSEMLA_DEBUG_CHECKS", "1")
-    inp = make_inputs(4, **_dims(device, 2), device=device, generator=_gen("debug"),
-                      max_position=32)
+    inp = make_inputs(
+        4, **_dims(device, 2), device=device, generator=_gen("debug"), max_position=32
+    )
     before = inp.kv_cache.clone()
     inp.positions = torch.tensor([0, 1, 32, 2], device=device)
     with pytest.raises(FuseMLAValueError, match=r"positions.*\[0, 32\).*positions\[2\] = 32"):
@@ -220,6 +254,7 @@ def test_empty_batch(device, D):
 
 def _bad_inputs(device):
     """(description, mutate(kwargs), exception class, message regex) for each host-side check."""
+
     def set_(**kw):
         return lambda d: d.update(kw)
 
@@ -233,42 +268,126 @@ def _bad_inputs(device):
         return torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
 
     return [
-        ("q_nope rank", replace("q_nope", lambda x: x[0]), FuseMLAValueError, r"q_nope.*\[N, H, P\]"),
-        ("q_nope dtype", replace("q_nope", lambda x: x.float()), FuseMLATypeError, r"q_nope.*dtype"),
+        (
+            "q_nope rank",
+            replace("q_nope", lambda x: x[0]),
+            FuseMLAValueError,
+            r"q_nope.*\[N, H, P\]",
+        ),
+        (
+            "q_nope dtype",
+            replace("q_nope", lambda x: x.float()),
+            FuseMLATypeError,
+            r"q_nope.*dtype",
+        ),
         ("q_pe heads", replace("q_pe", lambda x: x[:, :1]), FuseMLAValueError, r"q_pe.*shape"),
         ("q_pe odd R", replace("q_pe", lambda x: x[..., :-1]), FuseMLAValueError, r"q_pe"),
         ("q_pe dtype", replace("q_pe", lambda x: x.half()), FuseMLATypeError, r"q_pe.*bfloat16"),
         ("kv_c batch", replace("kv_c", lambda x: x[:1]), FuseMLAValueError, r"kv_c.*shape"),
         ("k_pe width", replace("k_pe", lambda x: x[:, :2]), FuseMLAValueError, r"k_pe.*shape"),
-        ("w_uk_t shape", replace("w_uk_t", lambda x: x[:, :, :8]), FuseMLAValueError, r"w_uk_t.*shape"),
+        (
+            "w_uk_t shape",
+            replace("w_uk_t", lambda x: x[:, :, :8]),
+            FuseMLAValueError,
+            r"w_uk_t.*shape",
+        ),
         ("w_uk_t dtype", replace("w_uk_t", lambda x: x.half()), FuseMLATypeError, r"w_uk_t.*dtype"),
-        ("w_uk_t layout", replace("w_uk_t", lambda x: torch.stack([x, x], -1)[..., 0]),
-         FuseMLAValueError, r"w_uk_t: expected stride 1 along L .* or along P"),
+        (
+            "w_uk_t layout",
+            replace("w_uk_t", lambda x: torch.stack([x, x], -1)[..., 0]),
+            FuseMLAValueError,
+            r"w_uk_t: expected stride 1 along L .* or along P",
+        ),
         ("q_nope layout", replace("q_nope", transposed), FuseMLAValueError, r"q_nope.*contiguous"),
-        ("positions dtype", replace("positions", lambda x: x.float()), FuseMLATypeError, r"positions.*dtype"),
-        ("positions length", replace("positions", lambda x: x[:1]), FuseMLAValueError, r"positions.*shape"),
-        ("cos width", replace("cos_cache", lambda x: x[:, :2]), FuseMLAValueError, r"cos_cache.*shape"),
+        (
+            "positions dtype",
+            replace("positions", lambda x: x.float()),
+            FuseMLATypeError,
+            r"positions.*dtype",
+        ),
+        (
+            "positions length",
+            replace("positions", lambda x: x[:1]),
+            FuseMLAValueError,
+            r"positions.*shape",
+        ),
+        (
+            "cos width",
+            replace("cos_cache", lambda x: x[:, :2]),
+            FuseMLAValueError,
+            r"cos_cache.*shape",
+        ),
         ("sin rows", replace("sin_cache", lambda x: x[:3]), FuseMLAValueError, r"sin_cache.*shape"),
-        ("cache width", replace("kv_cache", lambda x: x[..., :4]), FuseMLAValueError, r"kv_cache.*shape"),
+        (
+            "cache width",
+            replace("kv_cache", lambda x: x[..., :4]),
+            FuseMLAValueError,
+            r"kv_cache.*shape",
+        ),
         ("cache uint8", replace("kv_cache", zeros_u8), FuseMLATypeError, r"kv_cache.*view"),
-        ("cache fp32", replace("kv_cache", lambda x: x.float()), FuseMLATypeError, r"kv_cache.*dtype"),
-        ("slot dtype", replace("slot_mapping", lambda x: x.float()), FuseMLATypeError, r"slot_mapping.*dtype"),
-        ("fp8 without scale", replace("kv_cache", lambda x: x.to(FP8)), FuseMLAValueError, r"kv_scale.*None"),
+        (
+            "cache fp32",
+            replace("kv_cache", lambda x: x.float()),
+            FuseMLATypeError,
+            r"kv_cache.*dtype",
+        ),
+        (
+            "slot dtype",
+            replace("slot_mapping", lambda x: x.float()),
+            FuseMLATypeError,
+            r"slot_mapping.*dtype",
+        ),
+        (
+            "fp8 without scale",
+            replace("kv_cache", lambda x: x.to(FP8)),
+            FuseMLAValueError,
+            r"kv_scale.*None",
+        ),
         ("scale zero", set_(kv_scale=0.0), FuseMLAValueError, r"kv_scale.*> 0"),
         ("scale negative", set_(kv_scale=-1.0), FuseMLAValueError, r"kv_scale.*> 0"),
         ("scale nan", set_(kv_scale=float("nan")), FuseMLAValueError, r"kv_scale"),
         ("scale string", set_(kv_scale="1.0"), FuseMLATypeError, r"kv_scale"),
-        ("scale 2 elems", set_(kv_scale=torch.ones(2, device=device)), FuseMLAValueError, r"kv_scale.*1-element"),
-        ("scale fp16", set_(kv_scale=torch.ones(1, dtype=torch.float16, device=device)), FuseMLATypeError, r"kv_scale.*dtype"),
+        (
+            "scale 2 elems",
+            set_(kv_scale=torch.ones(2, device=device)),
+            FuseMLAValueError,
+            r"kv_scale.*1-element",
+        ),
+        (
+            "scale fp16",
+            set_(kv_scale=torch.ones(1, dtype=torch.float16, device=device)),
+            FuseMLATypeError,
+            r"kv_scale.*dtype",
+        ),
         ("out shape", set_(out="short"), FuseMLAValueError, r"out.*shape"),
         ("out dtype", set_(out="fp32"), FuseMLATypeError, r"out.*dtype"),
         ("not a tensor", set_(q_pe=[1, 2]), FuseMLATypeError, r"q_pe.*Tensor"),
         ("device", set_(positions="meta"), FuseMLATypeError, r"positions.*device"),
-        ("num_decode too big", set_(num_decode_tokens=4), FuseMLAValueError, r"num_decode_tokens.*\[0, N=3\]"),
-        ("num_decode negative", set_(num_decode_tokens=-1), FuseMLAValueError, r"num_decode_tokens"),
+        (
+            "num_decode too big",
+            set_(num_decode_tokens=4),
+            FuseMLAValueError,
+            r"num_decode_tokens.*\[0, N=3\]",
+        ),
+        (
+            "num_decode negative",
+            set_(num_decode_tokens=-1),
+            FuseMLAValueError,
+            r"num_decode_tokens",
+        ),
         ("num_decode float", set_(num_decode_tokens=1.0), FuseMLATypeError, r"num_decode_tokens"),
-        ("k_pe_out shape", set_(num_decode_tokens=1, k_pe_out="short"), FuseMLAValueError, r"k_pe_out.*shape"),
-        ("q_pe_out dtype", set_(num_decode_tokens=1, q_pe_out="fp32"), FuseMLATypeError, r"q_pe_out.*dtype"),
+        (
+            "k_pe_out shape",
+            set_(num_decode_tokens=1, k_pe_out="short"),
+            FuseMLAValueError,
+            r"k_pe_out.*shape",
+        ),
+        (
+            "q_pe_out dtype",
+            set_(num_decode_tokens=1, q_pe_out="fp32"),
+            FuseMLATypeError,
+            r"q_pe_out.*dtype",
+        ),
     ]
 
 
@@ -278,8 +397,18 @@ def test_bad_input_raises_before_writing(device, case):
     assert len(cases) == 35
     name, mutate, exc, pattern = cases[case]
     inp = make_inputs(3, **_dims(device, 2), device=device, generator=_gen("bad", case))
-    names = ["q_nope", "q_pe", "kv_c", "k_pe", "w_uk_t", "positions", "cos_cache", "sin_cache",
-             "kv_cache", "slot_mapping"]
+    names = [
+        "q_nope",
+        "q_pe",
+        "kv_c",
+        "k_pe",
+        "w_uk_t",
+        "positions",
+        "cos_cache",
+        "sin_cache",
+        "kv_cache",
+        "slot_mapping",
+    ]
     kw = dict(zip(names, inp.args()), kv_scale=None, out=None)
     mutate(kw)
     L, R = inp.kv_c.shape[1], inp.q_pe.shape[2]
@@ -317,12 +446,21 @@ def test_validates_once_per_call_under_torch_compile(device, monkeypatch):
             if not torch.compiler.is_compiling():  # tracing: expected; run time: must not happen
                 runtime_validations.append(1)
             return real(*a, **k)
+
         return wrapper
 
     monkeypatch.setattr(api, "prepare", counting(api.prepare))
     monkeypatch.setattr(args_mod, "prepare", counting(args_mod.prepare))
-    inp = make_inputs(6, **_dims(device, 2), kv_dtype=FP8, kv_scale="tensor", device=device,
-                      generator=_gen("compile"), pad_fraction=0.3, num_decode_tokens=4)
+    inp = make_inputs(
+        6,
+        **_dims(device, 2),
+        kv_dtype=FP8,
+        kv_scale="tensor",
+        device=device,
+        generator=_gen("compile"),
+        pad_fraction=0.3,
+        num_decode_tokens=4,
+    )
     cache_eager = inp.kv_cache.clone()
     eager = inp.run(mla_prologue, kv_cache=cache_eager)
     assert len(runtime_validations) == 1  # eager: exactly one validation
@@ -357,21 +495,31 @@ def test_forced_dot_scaled_that_cannot_run_raises(device, monkeypatch):
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled.*P=96"):
         inp.run(mla_prologue, w_uk_t=qw)
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "auto")
-    v = platform.choose_prologue_variant(info, weight_format="mxfp4", P=96, L=64,
-                                         block_l=32)
+    v = platform.choose_prologue_variant(info, weight_format="mxfp4", P=96, L=64, block_l=32)
     assert v.mxfp4_path == "dequant"
 
 
-@pytest.mark.parametrize("cfg", [dict(BLOCK_T=16, programs_per_sm=0.02),
-                                 dict(BLOCK_T=16, programs_per_sm=0, CACHE_ROWS=1),
-                                 dict(BLOCK_L=16, BLOCK_LC=16, ROPE_ROWS=16, CACHE_ROWS=4)],
-                         ids=["persistent", "program-per-item", "narrow-tiles"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(BLOCK_T=16, programs_per_sm=0.02),
+        dict(BLOCK_T=16, programs_per_sm=0, CACHE_ROWS=1),
+        dict(BLOCK_L=16, BLOCK_LC=16, ROPE_ROWS=16, CACHE_ROWS=4),
+    ],
+    ids=["persistent", "program-per-item", "narrow-tiles"],
+)
 def test_forced_tiling(device, cfg):
     """Persistent BMM programs walking several work items, one program per item, several
     L-tiles, cache-loop passes and a cache tile with a tail, on CPU and GPU alike."""
-    inp = make_inputs(50, **_dims(device, 3), num_decode_tokens=45, kv_dtype=FP8,
-                      device=device, generator=_gen("tiling", sorted(cfg.items())),
-                      pad_fraction=0.1)
+    inp = make_inputs(
+        50,
+        **_dims(device, 3),
+        num_decode_tokens=45,
+        kv_dtype=FP8,
+        device=device,
+        generator=_gen("tiling", sorted(cfg.items())),
+        pad_fraction=0.1,
+    )
     with configs.override(**cfg), recorded_launch_plans() as plans:
         run_and_compare(mla_prologue, inp).assert_ok()
     # what the launcher ran: the forced tiles, and the program counts they imply
@@ -394,9 +542,11 @@ def test_cuda_graph_replay_reads_new_inputs_and_scale(device):
     kw = dict(kv_dtype=FP8, kv_scale="tensor", device=device, num_blocks=8, num_decode_tokens=D)
     inp = make_inputs(N, **_dims(device, 16), generator=g, **kw)
     L, R = inp.kv_c.shape[1], inp.q_pe.shape[2]
-    outs = dict(out=torch.empty(D, 16, L + R, dtype=inp.q_nope.dtype, device=device),
-                q_pe_out=torch.empty(N - D, 16, R, dtype=inp.q_nope.dtype, device=device),
-                k_pe_out=torch.empty(N - D, R, dtype=inp.q_nope.dtype, device=device))
+    outs = dict(
+        out=torch.empty(D, 16, L + R, dtype=inp.q_nope.dtype, device=device),
+        q_pe_out=torch.empty(N - D, 16, R, dtype=inp.q_nope.dtype, device=device),
+        k_pe_out=torch.empty(N - D, R, dtype=inp.q_nope.dtype, device=device),
+    )
     inp.run(mla_prologue, **outs)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -404,8 +554,17 @@ def test_cuda_graph_replay_reads_new_inputs_and_scale(device):
         inp.run(mla_prologue, **outs)
     for step in range(3):
         fresh = make_inputs(N, **_dims(device, 16), generator=g, pad_fraction=0.3, **kw)
-        for name in ("q_nope", "q_pe", "kv_c", "k_pe", "w_uk_t", "positions", "cos_cache",
-                     "sin_cache", "slot_mapping"):
+        for name in (
+            "q_nope",
+            "q_pe",
+            "kv_c",
+            "k_pe",
+            "w_uk_t",
+            "positions",
+            "cos_cache",
+            "sin_cache",
+            "slot_mapping",
+        ):
             getattr(inp, name).copy_(getattr(fresh, name))
         inp.kv_scale.copy_(fresh.kv_scale)
         inp.kv_cache.copy_(fresh.kv_cache)
@@ -413,18 +572,25 @@ def test_cuda_graph_replay_reads_new_inputs_and_scale(device):
         graph.replay()
         torch.cuda.synchronize()
         fresh.kv_cache = inp.kv_cache
-        res = check_against_reference(fresh, (outs["out"], outs["q_pe_out"], outs["k_pe_out"]),
-                                      before)
+        res = check_against_reference(
+            fresh, (outs["out"], outs["q_pe_out"], outs["k_pe_out"]), before
+        )
         res.assert_ok()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,B,D", [(128, 128, 128), (128, 512, 512), (16, 512, 512),
-                                   (16, 544, 32)])
+@pytest.mark.parametrize("H,B,D", [(128, 128, 128), (128, 512, 512), (16, 512, 512), (16, 544, 32)])
 def test_large_batch(device, H, B, D):
     """Full heads, and H=16 with 512 tokens: several token chunks on the GPU's own config."""
-    inp = make_inputs(B, **_dims(device, H), block_size=64, device=device,
-                      generator=_gen("large", H, B, D), pad_fraction=0.1, num_decode_tokens=D)
+    inp = make_inputs(
+        B,
+        **_dims(device, H),
+        block_size=64,
+        device=device,
+        generator=_gen("large", H, B, D),
+        pad_fraction=0.1,
+        num_decode_tokens=D,
+    )
     run_and_compare(mla_prologue, inp).assert_ok()
 
 
@@ -459,14 +625,24 @@ def test_pdl_under_torch_compile(device, mode, monkeypatch):
     def step(src_q, src_kv, scale):
         q_nope = src_q * scale  # inductor kernels writing the prologue's inputs
         kv_c = src_kv * scale
-        return mla_prologue(q_nope, inp.q_pe, kv_c, inp.k_pe, inp.w_uk_t, inp.positions,
-                            inp.cos_cache, inp.sin_cache, inp.kv_cache, inp.slot_mapping,
-                            num_decode_tokens=D, kv_scale=inp.kv_scale)
+        return mla_prologue(
+            q_nope,
+            inp.q_pe,
+            kv_c,
+            inp.k_pe,
+            inp.w_uk_t,
+            inp.positions,
+            inp.cos_cache,
+            inp.sin_cache,
+            inp.kv_cache,
+            inp.slot_mapping,
+            num_decode_tokens=D,
+            kv_scale=inp.kv_scale,
+        )
 
     compiled = torch.compile(step, fullgraph=True, mode=None if mode == "default" else mode)
     for _ in range(3):
-        fresh = make_inputs(N, **_dims(device, H), num_decode_tokens=D, device=device,
-                            generator=g)
+        fresh = make_inputs(N, **_dims(device, H), num_decode_tokens=D, device=device, generator=g)
         for name in ("q_nope", "q_pe", "kv_c", "k_pe", "positions", "slot_mapping"):
             getattr(inp, name).copy_(getattr(fresh, name))
         src_q.copy_(inp.q_nope)
@@ -496,9 +672,11 @@ def test_pdl_behind_a_triton_producer_in_a_cuda_graph(device, pdl, monkeypatch):
     kv_base = inp.kv_c._base if inp.kv_c._base is not None else inp.kv_c
     srcs = [torch.empty_like(q_base), torch.empty_like(kv_base)]
     L, R = inp.kv_c.shape[1], inp.q_pe.shape[2]
-    outs = dict(out=torch.empty(D, H, L + R, dtype=torch.bfloat16, device=device),
-                q_pe_out=torch.empty(N - D, H, R, dtype=torch.bfloat16, device=device),
-                k_pe_out=torch.empty(N - D, R, dtype=torch.bfloat16, device=device))
+    outs = dict(
+        out=torch.empty(D, H, L + R, dtype=torch.bfloat16, device=device),
+        q_pe_out=torch.empty(N - D, H, R, dtype=torch.bfloat16, device=device),
+        k_pe_out=torch.empty(N - D, R, dtype=torch.bfloat16, device=device),
+    )
 
     def step():
         produce(srcs[0], q_base, 1.0, pdl=pdl == "on")
@@ -520,6 +698,7 @@ def test_pdl_behind_a_triton_producer_in_a_cuda_graph(device, pdl, monkeypatch):
         before = inp.kv_cache.clone()
         graph.replay()
         torch.cuda.synchronize()
-        res = check_against_reference(inp, (outs["out"], outs["q_pe_out"], outs["k_pe_out"]),
-                                      before)
+        res = check_against_reference(
+            inp, (outs["out"], outs["q_pe_out"], outs["k_pe_out"]), before
+        )
         res.assert_ok()

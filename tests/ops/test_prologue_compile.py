@@ -97,13 +97,17 @@ def test_compiled_prologue_compiles_once_for_all_batch_sizes(device, which, case
     sizes, decode_of = CASES[case]
 
     if case == "mixed-size-D":
+
         def step(decode_seq_lens, *args, kv_scale):
-            return _outputs(fn(*args, num_decode_tokens=decode_seq_lens.shape[0],
-                               kv_scale=kv_scale))
+            return _outputs(
+                fn(*args, num_decode_tokens=decode_seq_lens.shape[0], kv_scale=kv_scale)
+            )
     elif case == "mixed-int-D":
+
         def step(*args, kv_scale):
             return _outputs(fn(*args, num_decode_tokens=2, kv_scale=kv_scale))
     else:
+
         def step(*args, kv_scale):
             return _outputs(fn(*args, kv_scale=kv_scale))
 
@@ -112,10 +116,19 @@ def test_compiled_prologue_compiles_once_for_all_batch_sizes(device, which, case
     expected_launches = []
     for N in sizes:
         D = None if decode_of is None else decode_of(N)
-        inp = make_inputs(N, **DIMS, num_decode_tokens=D, kv_dtype=FP8 if kv == "fp8" else None,
-                          kv_scale="tensor", num_blocks=4, pad_fraction=0.25, device=device,
-                          generator=torch.Generator().manual_seed(
-                              stable_seed("compile-dynamic", which, case, kv, N)))
+        inp = make_inputs(
+            N,
+            **DIMS,
+            num_decode_tokens=D,
+            kv_dtype=FP8 if kv == "fp8" else None,
+            kv_scale="tensor",
+            num_blocks=4,
+            pad_fraction=0.25,
+            device=device,
+            generator=torch.Generator().manual_seed(
+                stable_seed("compile-dynamic", which, case, kv, N)
+            ),
+        )
         _mark_batch_dynamic(inp)
         extra = ()
         if case == "mixed-size-D":
@@ -134,12 +147,15 @@ def test_compiled_decode_prologue_compiles_once(device, which):
     """The all-decode aliases (:func:`mla_decode_prologue` and its reference), same check."""
     fn = {"fused": mla_decode_prologue, "reference": mla_decode_prologue_ref}[which]
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(lambda *a: fn(*a) * 1, backend=counter, fullgraph=True,
-                             dynamic=False)
+    compiled = torch.compile(lambda *a: fn(*a) * 1, backend=counter, fullgraph=True, dynamic=False)
     for N in (3, 6, 11):
-        inp = make_inputs(N, **DIMS, num_blocks=4, device=device,
-                          generator=torch.Generator().manual_seed(
-                              stable_seed("compile-decode-alias", which, N)))
+        inp = make_inputs(
+            N,
+            **DIMS,
+            num_blocks=4,
+            device=device,
+            generator=torch.Generator().manual_seed(stable_seed("compile-decode-alias", which, N)),
+        )
         _mark_batch_dynamic(inp)
         before = inp.kv_cache.clone()
         q = compiled(*inp.args())
@@ -156,8 +172,9 @@ LAYER_CFG = layer_config("cpu")
 def _layer(device, seed, fused: bool) -> MLAAttention:
     g = torch.Generator().manual_seed(seed)
     sd = random_weights(LAYER_CFG, g, torch.float32, "cpu")
-    return MLAAttention.from_state_dict(sd, LAYER_CFG, config=MLAConfig(fused, fused),
-                                        device=device)
+    return MLAAttention.from_state_dict(
+        sd, LAYER_CFG, config=MLAConfig(fused, fused), device=device
+    )
 
 
 @pytest.mark.parametrize("entry", ["forward_latent", "forward"])
@@ -190,9 +207,11 @@ def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches
     launches.clear()
 
     if entry == "forward_latent":
+
         def step(q, kv_c, k_pe, positions, md, cache, kv_scale):
             return layer.forward_latent(q, kv_c, k_pe, positions, md, cache, kv_scale)
     else:
+
         def step(x, positions, md, cache, kv_scale):
             return layer(x, positions, md, cache, kv_scale)
 
@@ -200,16 +219,24 @@ def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches
     with torch._dynamo.config.patch(specialize_float=True):
         compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
         for n in (3, 5, 7):
-            md, _ = build_metadata([RequestStep(r, ctx[r], 1) for r in names[:n - 1]], alloc,
-                                   device=device, pad_decodes_to=n, max_blocks=max_blocks)
-            for r in names[:n - 1]:
+            md, _ = build_metadata(
+                [RequestStep(r, ctx[r], 1) for r in names[: n - 1]],
+                alloc,
+                device=device,
+                pad_decodes_to=n,
+                max_blocks=max_blocks,
+            )
+            for r in names[: n - 1]:
                 ctx[r] += 1
             if entry == "forward_latent":
                 c = LAYER_CFG
                 H, P = c["num_attention_heads"], c["qk_nope_head_dim"]
                 L, R = c["kv_lora_rank"], c["qk_rope_head_dim"]
-                args = (torch.randn(n, H, P + R, generator=g),
-                        torch.randn(n, L, generator=g), torch.randn(n, R, generator=g))
+                args = (
+                    torch.randn(n, H, P + R, generator=g),
+                    torch.randn(n, L, generator=g),
+                    torch.randn(n, R, generator=g),
+                )
                 args = tuple(a.to(device, torch.bfloat16) for a in args)
             else:
                 args = (torch.randn(n, layer.hidden_size, generator=g).to(device, torch.bfloat16),)

@@ -639,8 +639,13 @@ def _tiles(plans: list) -> dict:
     programs, L-tiles, cache-loop passes, decode RoPE tiles."""
     assert len(plans) == 1, plans
     p = plans[0]
-    return {"items": p.bmm_items, "programs": p.n_bmm, "l_tiles": p.l_tiles,
-            "lc_passes": p.lc_passes, "rope_tiles": p.n_rope_d}
+    return {
+        "items": p.bmm_items,
+        "programs": p.n_bmm,
+        "l_tiles": p.l_tiles,
+        "lc_passes": p.lc_passes,
+        "rope_tiles": p.n_rope_d,
+    }
 
 
 def test_persistent_programs_walk_their_own_items(device):

@@ -50,25 +50,44 @@ def _quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fp8_weights(device, dtype, fmt, B, D):
-    inp = make_inputs(B, **_dims(device, 4), dtype=dtype, kv_dtype=FP8 if B == 3 else None,
-                      pad_fraction=0.25 if B > 1 else 0.0, device=device, num_decode_tokens=D,
-                      generator=_gen(dtype, fmt, B, D))
+    inp = make_inputs(
+        B,
+        **_dims(device, 4),
+        dtype=dtype,
+        kv_dtype=FP8 if B == 3 else None,
+        pad_fraction=0.25 if B > 1 else 0.0,
+        device=device,
+        num_decode_tokens=D,
+        generator=_gen(dtype, fmt, B, D),
+    )
     qw = _quantize(inp.w_uk_t, fmt)
     run_and_compare(mla_prologue, inp, w_uk_t=qw).assert_ok()
 
 
 @pytest.mark.parametrize("D", [5, 40], ids=lambda d: f"D{d}")  # small / medium tile bucket
-@pytest.mark.parametrize("weights,layout", [
-    ("bf16", "contiguous"), ("bf16", "k_major"), ("bf16", "vllm_view"),
-    ("fp8-head", "contiguous"), ("fp8-head", "k_major"),
-    ("fp8xfp8", "contiguous"), ("fp8xfp8", "k_major"),
-])
+@pytest.mark.parametrize(
+    "weights,layout",
+    [
+        ("bf16", "contiguous"),
+        ("bf16", "k_major"),
+        ("bf16", "vllm_view"),
+        ("fp8-head", "contiguous"),
+        ("fp8-head", "k_major"),
+        ("fp8xfp8", "contiguous"),
+        ("fp8xfp8", "k_major"),
+    ],
+)
 def test_weight_layouts(device, weights, layout, D):
     """The kernel reads W_UK_T in any layout with stride 1 along L or P: contiguous, K-major
     (quantize_fp8_weight's default) and, for a plain weight, vLLM's permuted view of W_UK
     [L, H, P] (strides (P, 1, H * P)); every layout gives the bytes the contiguous one gives."""
-    inp = make_inputs(D, **_dims(device, 4), dtype=torch.bfloat16, device=device,
-                      generator=_gen("layouts", weights, layout, D))
+    inp = make_inputs(
+        D,
+        **_dims(device, 4),
+        dtype=torch.bfloat16,
+        device=device,
+        generator=_gen("layouts", weights, layout, D),
+    )
 
     def laid_out(x: torch.Tensor) -> torch.Tensor:
         if layout == "contiguous":
@@ -83,8 +102,9 @@ def test_weight_layouts(device, weights, layout, D):
     else:
         q = quantize_fp8_weight(inp.w_uk_t, per_head=True, k_major=False)
         w, w_ref = QuantizedWeight(laid_out(q.data), q.scale, "fp8"), q
-    assert (w.stride() if weights == "bf16" else w.data.stride())[1 if layout != "contiguous"
-                                                                     else 2] == 1
+    assert (w.stride() if weights == "bf16" else w.data.stride())[
+        1 if layout != "contiguous" else 2
+    ] == 1
     cache0 = inp.kv_cache.clone()
     out = inp.run(mla_prologue, w_uk_t=w, **kw)
     cache = inp.kv_cache.clone()
@@ -103,8 +123,14 @@ def test_mxfp4_weights(device, dtype, B, path, monkeypatch):
     if path == "dot_scaled" and device == "cuda" and not info.native_fp4:
         pytest.skip(f"no native FP4 on {info.arch}")
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", path)  # the interpreter emulates tl.dot_scaled
-    inp = make_inputs(B, **_dims(device, 4), dtype=dtype, pad_fraction=0.25 if B > 1 else 0.0,
-                      device=device, generator=_gen(dtype, B, path))
+    inp = make_inputs(
+        B,
+        **_dims(device, 4),
+        dtype=dtype,
+        pad_fraction=0.25 if B > 1 else 0.0,
+        device=device,
+        generator=_gen(dtype, B, path),
+    )
     qw = _quantize(inp.w_uk_t, "mxfp4")
     run_and_compare(mla_prologue, inp, w_uk_t=qw).assert_ok()
 
@@ -113,11 +139,12 @@ def test_mxfp4_weights(device, dtype, B, path, monkeypatch):
 @pytest.mark.parametrize("scale_kind", ["float", "tensor"])
 def test_fp8_query_output(device, weights, scale_kind):
     """One scale on both halves of q, saturating; dequantized q matches the bf16 result."""
-    inp = make_inputs(5, **_dims(device, 4), device=device, generator=_gen(weights, scale_kind),
-                      pad_fraction=0.2)
+    inp = make_inputs(
+        5, **_dims(device, 4), device=device, generator=_gen(weights, scale_kind), pad_fraction=0.2
+    )
     w = inp.w_uk_t if weights == "bf16" else _quantize(inp.w_uk_t, weights)
     q_scale = 2.5 / 448  # |q| reaches ~4-5: the largest values saturate
-    scale_arg = (torch.tensor([q_scale], device=device) if scale_kind == "tensor" else q_scale)
+    scale_arg = torch.tensor([q_scale], device=device) if scale_kind == "tensor" else q_scale
     kw = dict(q_out_dtype=FP8, q_scale=scale_arg)
     run_and_compare(mla_prologue, inp, w_uk_t=w, **kw).assert_ok()
     args = list(inp.args())
@@ -175,9 +202,16 @@ def test_quantized_weight_and_fp8_query_under_torch_compile(device):
 def test_fp8_activations(device, dtype, fmt, B, D):
     """act_quant="fp8": the kernel's FP8 x FP8 BMM against a reference that quantizes the
     activations the same way (per token and head), every cache byte, FP8 cache at B=3."""
-    inp = make_inputs(B, **_dims(device, 4), dtype=dtype, kv_dtype=FP8 if B == 3 else None,
-                      pad_fraction=0.25 if B > 1 else 0.0, device=device, num_decode_tokens=D,
-                      generator=_gen("act", dtype, fmt, B, D))
+    inp = make_inputs(
+        B,
+        **_dims(device, 4),
+        dtype=dtype,
+        kv_dtype=FP8 if B == 3 else None,
+        pad_fraction=0.25 if B > 1 else 0.0,
+        device=device,
+        num_decode_tokens=D,
+        generator=_gen("act", dtype, fmt, B, D),
+    )
     qw = _quantize(inp.w_uk_t, fmt)
     run_and_compare(mla_prologue, inp, w_uk_t=qw, act_quant="fp8").assert_ok()
 
@@ -214,14 +248,16 @@ def test_fp8_activations_quantize_per_token_and_head(device):
     assert rel_err(q2[2].float().cpu(), big[2].float().cpu()) < 1e-2
     # FP8 query output on top of FP8 activations
     q_scale = torch.tensor([0.05], device=device)
-    run_and_compare(mla_prologue, inp, w_uk_t=qw, act_quant="fp8", q_out_dtype=FP8,
-                    q_scale=q_scale).assert_ok()
+    run_and_compare(
+        mla_prologue, inp, w_uk_t=qw, act_quant="fp8", q_out_dtype=FP8, q_scale=q_scale
+    ).assert_ok()
 
 
 def test_fp8_activations_under_torch_compile(device):
     """act_quant travels through the registered op: compiled equals eager, byte for byte."""
-    inp = make_inputs(5, **_dims(device, 2), device=device, num_decode_tokens=3,
-                      generator=_gen("act-compile"))
+    inp = make_inputs(
+        5, **_dims(device, 2), device=device, num_decode_tokens=3, generator=_gen("act-compile")
+    )
     qw = _quantize(inp.w_uk_t, "fp8-tensor")
     args = list(inp.args())
     args[4] = qw

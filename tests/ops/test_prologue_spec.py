@@ -31,8 +31,7 @@ def _gen(*parts) -> torch.Generator:
 
 def _step_args(inp):
     """The per-step positional arguments of mla_prologue_step, from a PrologueInputs."""
-    return (inp.q_nope, inp.q_pe, inp.kv_c, inp.k_pe, inp.positions, inp.kv_cache,
-            inp.slot_mapping)
+    return (inp.q_nope, inp.q_pe, inp.kv_c, inp.k_pe, inp.positions, inp.kv_cache, inp.slot_mapping)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
@@ -47,22 +46,40 @@ def test_spec_reused_across_steps_equals_one_call(device, kv, weights):
     spec = fusemla.prologue_spec(w, first.cos_cache, first.sin_cache, act_quant=act_quant)
     assert isinstance(spec, PrologueSpec) and spec.act_quant == act_quant
     for i, (N, D) in enumerate([(5, 5), (9, 4), (6, 0)]):
-        inp = make_inputs(N, **_dims(device, 4), num_decode_tokens=D,
-                          kv_dtype=FP8 if kv == "fp8" else None, kv_scale="tensor",
-                          pad_fraction=0.25, device=device, generator=_gen("step", kv, i))
+        inp = make_inputs(
+            N,
+            **_dims(device, 4),
+            num_decode_tokens=D,
+            kv_dtype=FP8 if kv == "fp8" else None,
+            kv_scale="tensor",
+            pad_fraction=0.25,
+            device=device,
+            generator=_gen("step", kv, i),
+        )
         inp.w_uk_t, inp.cos_cache, inp.sin_cache = first.w_uk_t, first.cos_cache, first.sin_cache
         cache_one = inp.kv_cache.clone()
         one = inp.run(fusemla.mla_prologue, kv_cache=cache_one, w_uk_t=w, act_quant=act_quant)
-        step = fusemla.mla_prologue_step(spec, *_step_args(inp), num_decode_tokens=D,
-                                         kv_scale=inp.kv_scale)
+        step = fusemla.mla_prologue_step(
+            spec, *_step_args(inp), num_decode_tokens=D, kv_scale=inp.kv_scale
+        )
         for a, b in zip(step, one):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         assert torch.equal(inp.kv_cache.view(torch.uint8), cache_one.view(torch.uint8))
-        ref_one = inp.run(fusemla.mla_prologue_ref, kv_cache=cache_one.clone(), w_uk_t=w,
-                          act_quant=act_quant)
+        ref_one = inp.run(
+            fusemla.mla_prologue_ref, kv_cache=cache_one.clone(), w_uk_t=w, act_quant=act_quant
+        )
         ref_step = fusemla.mla_prologue_step_ref(
-            spec, inp.q_nope, inp.q_pe, inp.kv_c, inp.k_pe, inp.positions, cache_one.clone(),
-            inp.slot_mapping, num_decode_tokens=D, kv_scale=inp.kv_scale)
+            spec,
+            inp.q_nope,
+            inp.q_pe,
+            inp.kv_c,
+            inp.k_pe,
+            inp.positions,
+            cache_one.clone(),
+            inp.slot_mapping,
+            num_decode_tokens=D,
+            kv_scale=inp.kv_scale,
+        )
         for a, b in zip(ref_step, ref_one):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -74,10 +91,16 @@ def test_step_checks_against_the_spec(device):
     before = inp.kv_cache.clone()
     cases = [  # {argument index: replacement}
         ({0: inp.q_nope[:, :2]}, FuseMLAValueError, r"^q_pe: expected shape"),  # H differs
-        ({0: inp.q_nope[:, :2], 1: inp.q_pe[:, :2]}, FuseMLAValueError,
-         r"^q_nope: expected shape \[N, H=4, P=.*the spec's w_uk_t"),
-        ({1: inp.q_pe[..., :-2], 3: inp.k_pe[..., :-2]}, FuseMLAValueError,
-         r"^q_pe: expected shape.*R=.*RoPE tables"),
+        (
+            {0: inp.q_nope[:, :2], 1: inp.q_pe[:, :2]},
+            FuseMLAValueError,
+            r"^q_nope: expected shape \[N, H=4, P=.*the spec's w_uk_t",
+        ),
+        (
+            {1: inp.q_pe[..., :-2], 3: inp.k_pe[..., :-2]},
+            FuseMLAValueError,
+            r"^q_pe: expected shape.*R=.*RoPE tables",
+        ),
         ({2: inp.kv_c[:, :-2]}, FuseMLAValueError, r"^kv_c: expected shape.*L=.*w_uk_t"),
         ({0: inp.q_nope.half()}, FuseMLATypeError, r"^q_pe: expected dtype torch.float16"),
     ]
@@ -88,8 +111,10 @@ def test_step_checks_against_the_spec(device):
         with pytest.raises(exc, match=pattern):
             fusemla.mla_prologue_step(spec, *a)
     # every activation half: the weight fixes bf16
-    half = [t.half() if t.dtype == torch.bfloat16 and t.dim() > 1 and j < 4 else t
-            for j, t in enumerate(args)]
+    half = [
+        t.half() if t.dtype == torch.bfloat16 and t.dim() > 1 and j < 4 else t
+        for j, t in enumerate(args)
+    ]
     with pytest.raises(FuseMLATypeError, match=r"^q_nope: expected dtype torch.bfloat16"):
         fusemla.mla_prologue_step(spec, *half)
     with pytest.raises(FuseMLATypeError, match=r"^spec: expected a PrologueSpec"):
@@ -116,29 +141,58 @@ def test_spec_checks_its_own_arguments(device):
         kw = dict(w_uk_t=w, cos_cache=cos, sin_cache=sin)
         kw.update(change)
         with pytest.raises(exc, match=pattern):
-            fusemla.prologue_spec(kw.pop("w_uk_t"), kw.pop("cos_cache"), kw.pop("sin_cache"),
-                                  **kw)
+            fusemla.prologue_spec(kw.pop("w_uk_t"), kw.pop("cos_cache"), kw.pop("sin_cache"), **kw)
 
 
 @pytest.mark.parametrize("case", ["plain-float-scales", "fp8xfp8-tensor-scales"])
 def test_op_arguments_pack_and_unpack(device, case):
     """What the registered op receives comes back as the same PrologueArgs."""
-    inp = make_inputs(6, **_dims(device, 2), num_decode_tokens=4, kv_dtype=FP8,
-                      kv_scale="tensor" if "tensor" in case else "auto", device=device,
-                      generator=_gen("pack", case))
+    inp = make_inputs(
+        6,
+        **_dims(device, 2),
+        num_decode_tokens=4,
+        kv_dtype=FP8,
+        kv_scale="tensor" if "tensor" in case else "auto",
+        device=device,
+        generator=_gen("pack", case),
+    )
     w = inp.w_uk_t
     kw = {}
     if case.startswith("fp8xfp8"):
         w = quantize_fp8_weight(w, per_head=True)
         kw = dict(act_quant="fp8", q_out_dtype=FP8, q_scale=torch.tensor([0.02], device=device))
-    args = prepare(*list(inp.args())[:4], w, *list(inp.args())[5:], num_decode_tokens=4,
-                   is_neox=True, rope_applied=True, kv_scale=inp.kv_scale, **kw)
+    args = prepare(
+        *list(inp.args())[:4],
+        w,
+        *list(inp.args())[5:],
+        num_decode_tokens=4,
+        is_neox=True,
+        rope_applied=True,
+        kv_scale=inp.kv_scale,
+        **kw,
+    )
     back = unpack(*pack(args))
-    for name in ("q_nope", "q_pe", "kv_c", "k_pe", "positions", "kv_cache", "slot_mapping",
-                 "q", "q_pe_out", "k_pe_out", "cos_cache", "sin_cache"):
+    for name in (
+        "q_nope",
+        "q_pe",
+        "kv_c",
+        "k_pe",
+        "positions",
+        "kv_cache",
+        "slot_mapping",
+        "q",
+        "q_pe_out",
+        "k_pe_out",
+        "cos_cache",
+        "sin_cache",
+    ):
         assert getattr(back, name) is getattr(args, name), name
     assert (back.num_decode_tokens, back.apply_rope, back.is_neox, back.act_quant) == (
-        4, False, True, kw.get("act_quant"))
+        4,
+        False,
+        True,
+        kw.get("act_quant"),
+    )
     for name in ("kv_scale", "q_scale"):
         a, b = getattr(args, name), getattr(back, name)
         assert (a is b) if isinstance(a, torch.Tensor) else (a or 1.0) == b, name

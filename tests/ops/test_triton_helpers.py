@@ -25,8 +25,9 @@ def _round_kernel(p_x, p_y, n, CODE: tl.constexpr, BLOCK: tl.constexpr):
 def _bf16_kernel(p_x, p_y, n, FIX: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
-    tl.store(p_y + o, cast_rne(tl.load(p_x + o, mask=m, other=0.0), p_y.dtype.element_ty, FIX),
-             mask=m)
+    tl.store(
+        p_y + o, cast_rne(tl.load(p_x + o, mask=m, other=0.0), p_y.dtype.element_ty, FIX), mask=m
+    )
 
 
 def _fp8_probe_values(dtype: torch.dtype) -> torch.Tensor:
@@ -35,13 +36,34 @@ def _fp8_probe_values(dtype: torch.dtype) -> torch.Tensor:
     grid = grid[torch.isfinite(grid)]
     mids = (grid[:-1].sort().values + grid.sort().values[1:]) / 2  # exact ties
     g = torch.Generator().manual_seed(0)
-    rand = torch.cat([
-        torch.randn(1 << 16, generator=g) * s for s in (1e-3, 0.05, 1.0, 30.0, fmax)
-    ])
-    special = torch.tensor([0.0, -0.0, fmax, -fmax, fmax * 1.03, -fmax * 1.5, 1e30, -1e30,
-                            float("inf"), float("-inf"), 2.0 ** -12, -(2.0 ** -12), 31.6])
-    return torch.cat([grid, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
-                      rand, special]).contiguous()
+    rand = torch.cat([torch.randn(1 << 16, generator=g) * s for s in (1e-3, 0.05, 1.0, 30.0, fmax)])
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            fmax,
+            -fmax,
+            fmax * 1.03,
+            -fmax * 1.5,
+            1e30,
+            -1e30,
+            float("inf"),
+            float("-inf"),
+            2.0**-12,
+            -(2.0**-12),
+            31.6,
+        ]
+    )
+    return torch.cat(
+        [
+            grid,
+            mids,
+            torch.nextafter(mids, mids + 1),
+            torch.nextafter(mids, mids - 1),
+            rand,
+            special,
+        ]
+    ).contiguous()
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
@@ -49,8 +71,9 @@ def test_fp8_rounding_matches_torch_saturating_cast(device, dtype):
     fmax = FP8_FORMATS[dtype].max
     x = _fp8_probe_values(dtype).to(device)
     y = torch.empty_like(x)
-    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), CODE=FP8_FORMATS[dtype].code,
-                                                    BLOCK=1024)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](
+        x, y, x.numel(), CODE=FP8_FORMATS[dtype].code, BLOCK=1024
+    )
     want = x.clamp(-fmax, fmax).to(dtype)
     # the helper's output is exactly representable: casting it is exact and equals torch's cast
     assert torch.equal(y.to(dtype).view(torch.uint8), want.view(torch.uint8))
@@ -62,9 +85,22 @@ def test_bf16_cast_rounds_to_nearest_even(device, fix):
     if not fix and device == "cpu":
         pytest.skip("the interpreter's own bf16 cast truncates; that is what FIX works around")
     g = torch.Generator().manual_seed(1)
-    x = torch.cat([torch.randn(1 << 16, generator=g) * 3,
-                   torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8),
-                                 3.4e38, float("inf"), 0.0, -0.0])]).to(device)
+    x = torch.cat(
+        [
+            torch.randn(1 << 16, generator=g) * 3,
+            torch.tensor(
+                [
+                    1.0 + 2.0**-8,
+                    1.0 + 3 * 2.0**-8,
+                    -(1.0 + 2.0**-8),
+                    3.4e38,
+                    float("inf"),
+                    0.0,
+                    -0.0,
+                ]
+            ),
+        ]
+    ).to(device)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     _bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), FIX=fix, BLOCK=1024)
     assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))

@@ -52,12 +52,26 @@ SCHEDULES = {
     "small": [("a", 0, 23, 14), ("b", 3, 41, 10), ("c", 4, 9, 12), ("d", 9, 57, 8)],
     # CPU: 1- to 300-token prompts at different steps; step 0 is prefill-only, later steps mix,
     # the tail is decode-only (a 1-token prompt is a decode-shaped query: "a" joins a decode step)
-    "wide": [("b", 0, 37, 8), ("a", 1, 1, 10), ("c", 2, 300, 4), ("d", 3, 5, 8),
-             ("e", 5, 120, 5), ("f", 7, 2, 4)],
+    "wide": [
+        ("b", 0, 37, 8),
+        ("a", 1, 1, 10),
+        ("c", 2, 300, 4),
+        ("d", 3, 5, 8),
+        ("e", 5, 120, 5),
+        ("f", 7, 2, 4),
+    ],
     # GPU: vLLM's FLASH_ATTN_MLA counts requests with up to 512 new tokens as decodes, so the
     # prompts that make steps mixed are longer than that
-    "gpu": [("a", 0, 7, 24), ("b", 0, 600, 16), ("c", 2, 1, 24), ("d", 3, 900, 12),
-            ("e", 5, 64, 20), ("f", 8, 530, 10), ("g", 10, 3, 16), ("h", 12, 700, 8)],
+    "gpu": [
+        ("a", 0, 7, 24),
+        ("b", 0, 600, 16),
+        ("c", 2, 1, 24),
+        ("d", 3, 900, 12),
+        ("e", 5, 64, 20),
+        ("f", 8, 530, 10),
+        ("g", 10, 3, 16),
+        ("h", 12, 700, 8),
+    ],
 }
 TOP_K = 5  # logprobs returned per position
 
@@ -67,9 +81,14 @@ def schedule_from_seed(seed: int, max_prompt: int = 300) -> list:
     rnd = random.Random(seed)
     out = []
     for i in range(rnd.randint(3, 7)):
-        out.append((chr(ord("a") + i), rnd.randint(0, 10),
-                    rnd.choice([1, 2, rnd.randint(3, 40), rnd.randint(40, max_prompt)]),
-                    rnd.randint(3, 12)))
+        out.append(
+            (
+                chr(ord("a") + i),
+                rnd.randint(0, 10),
+                rnd.choice([1, 2, rnd.randint(3, 40), rnd.randint(40, max_prompt)]),
+                rnd.randint(3, 12),
+            )
+        )
     return out
 
 
@@ -77,8 +96,14 @@ def shape_from_seed(seed: int) -> tuple:
     """A random CPU model shape (the ``--many`` mode)."""
     rnd = random.Random(seed)
     nope = rnd.choice([16, 24, 40, 48, 64, 96])
-    return (rnd.randint(1, 16), nope, rnd.choice([16, 40, nope, 72]),
-            rnd.choice([0, 32, 96]), rnd.randint(1, 4), rnd.choice([128, 256]))
+    return (
+        rnd.randint(1, 16),
+        nope,
+        rnd.choice([16, 40, nope, 72]),
+        rnd.choice([0, 32, 96]),
+        rnd.randint(1, 4),
+        rnd.choice([128, 256]),
+    )
 
 
 def make_model(path: str, shape) -> None:
@@ -89,16 +114,37 @@ def make_model(path: str, shape) -> None:
     heads, nope, v, q_lora, layers, hidden = dims[:6]
     mlp = dims[6] if len(dims) > 6 else 2 * hidden
     cfg = DeepseekV3Config(
-        vocab_size=1000, hidden_size=hidden, intermediate_size=mlp,
-        moe_intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=heads, q_lora_rank=q_lora or None, kv_lora_rank=512,
-        qk_nope_head_dim=nope, qk_rope_head_dim=64, v_head_dim=v,
-        first_k_dense_replace=layers, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-                      "rope_type": "yarn"},
-        rope_interleave=True, torch_dtype="bfloat16",
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        moe_intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora or None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=64,
+        v_head_dim=v,
+        first_k_dense_replace=layers,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "rope_type": "yarn",
+        },
+        rope_interleave=True,
+        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
@@ -119,9 +165,18 @@ def make_model(path: str, shape) -> None:
         model.lm_head.weight.copy_(emb[perm] + 0.3 * torch.randn_like(emb))
     model.to(torch.bfloat16).save_pretrained(path)
     with open(os.path.join(path, "fusemla_shape.json"), "w") as f:
-        json.dump({"heads": heads, "qk_nope_head_dim": nope, "v_head_dim": v,
-                   "q_lora_rank": q_lora or None, "layers": layers, "hidden": hidden,
-                   "mlp": mlp}, f)
+        json.dump(
+            {
+                "heads": heads,
+                "qk_nope_head_dim": nope,
+                "v_head_dim": v,
+                "q_lora_rank": q_lora or None,
+                "layers": layers,
+                "hidden": hidden,
+                "mlp": mlp,
+            },
+            f,
+        )
 
 
 def _margin(lp: dict) -> float:
@@ -131,10 +186,17 @@ def _margin(lp: dict) -> float:
 
 
 def llm_kwargs(args, on_gpu: bool, max_batch: int) -> dict:
-    kw = dict(model=args.model, skip_tokenizer_init=True, max_model_len=args.max_model_len,
-              dtype="bfloat16", seed=0, tensor_parallel_size=args.tp, max_num_seqs=max_batch,
-              kv_cache_dtype=args.kv_cache_dtype,
-              worker_extension_cls="fusemla.integrations.vllm_testing.FuseMLATestExtension")
+    kw = dict(
+        model=args.model,
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        dtype="bfloat16",
+        seed=0,
+        tensor_parallel_size=args.tp,
+        max_num_seqs=max_batch,
+        kv_cache_dtype=args.kv_cache_dtype,
+        worker_extension_cls="fusemla.integrations.vllm_testing.FuseMLATestExtension",
+    )
     if args.backend:
         kw["attention_backend"] = args.backend
     if args.mode == "eager":
@@ -161,8 +223,9 @@ def run(args) -> None:
     from vllm import LLM, SamplingParams
 
     on_gpu = _on_gpu()
-    schedule = (schedule_from_seed(args.seed) if args.schedule == "seeded"
-                else SCHEDULES[args.schedule])
+    schedule = (
+        schedule_from_seed(args.seed) if args.schedule == "seeded" else SCHEDULES[args.schedule]
+    )
     t0 = time.time()
     llm = LLM(**llm_kwargs(args, on_gpu, max_batch=8))
     t_init = time.time() - t0
@@ -183,10 +246,17 @@ def run(args) -> None:
     while pending or engine.has_unfinished_requests():
         for item in [p for p in pending if p[1] <= step]:
             rid, _, _, max_new = item
-            engine.add_request(rid, {"prompt_token_ids": prompts[rid]},
-                               SamplingParams(temperature=0.0, max_tokens=max_new,
-                                              ignore_eos=True, detokenize=False,
-                                              logprobs=TOP_K))
+            engine.add_request(
+                rid,
+                {"prompt_token_ids": prompts[rid]},
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=max_new,
+                    ignore_eos=True,
+                    detokenize=False,
+                    logprobs=TOP_K,
+                ),
+            )
             pending.remove(item)
         for out in engine.step():
             seen = token_steps.setdefault(out.request_id, [])
@@ -196,8 +266,9 @@ def run(args) -> None:
                 o = out.outputs[0]
                 tokens[out.request_id] = list(o.token_ids)
                 margins[out.request_id] = [_margin(lp) for lp in o.logprobs]
-                logprobs[out.request_id] = [{str(k): float(v.logprob) for k, v in lp.items()}
-                                            for lp in o.logprobs]
+                logprobs[out.request_id] = [
+                    {str(k): float(v.logprob) for k, v in lp.items()} for lp in o.logprobs
+                ]
         step += 1
         if step > 2000:
             raise RuntimeError("engine did not finish")
@@ -205,12 +276,27 @@ def run(args) -> None:
     kernels = llm.collective_rpc("fusemla_profile", args=("stop",)) if args.profile else None
     summaries = llm.collective_rpc("fusemla_collect", args=(args.out,))
     with open(os.path.join(args.out, "tokens.json"), "w") as f:
-        json.dump({"tokens": tokens, "margins": margins, "logprobs": logprobs,
-                   "token_steps": token_steps, "steps": step, "wrappers": wrappers,
-                   "backends": backends, "schedule": schedule, "kernels": kernels,
-                   "args": vars(args), "init_s": round(t_init, 1), "loop_s": round(t_loop, 2),
-                   "total_s": round(time.time() - t0, 1), "summaries": summaries},
-                  f, indent=1, sort_keys=True)
+        json.dump(
+            {
+                "tokens": tokens,
+                "margins": margins,
+                "logprobs": logprobs,
+                "token_steps": token_steps,
+                "steps": step,
+                "wrappers": wrappers,
+                "backends": backends,
+                "schedule": schedule,
+                "kernels": kernels,
+                "args": vars(args),
+                "init_s": round(t_init, 1),
+                "loop_s": round(t_loop, 2),
+                "total_s": round(time.time() - t0, 1),
+                "summaries": summaries,
+            },
+            f,
+            indent=1,
+            sort_keys=True,
+        )
 
 
 def _on_gpu() -> bool:
@@ -229,8 +315,9 @@ def main() -> None:
     r.add_argument("model")
     r.add_argument("out")
     r.add_argument("--tp", type=int, default=1)
-    r.add_argument("--mode", default="eager",
-                   choices=("eager", "compiled", "piecewise", "full_and_piecewise"))
+    r.add_argument(
+        "--mode", default="eager", choices=("eager", "compiled", "piecewise", "full_and_piecewise")
+    )
     r.add_argument("--schedule", default="small", help=f"{sorted(SCHEDULES)} or seeded")
     r.add_argument("--seed", type=int, default=0, help="for --schedule seeded")
     r.add_argument("--kv-cache-dtype", default="auto")

@@ -79,8 +79,14 @@ class Runner:
     CUDA_VISIBLE_DEVICES, ``per_gpu`` at a time); empty on the CPU (runs one at a time).
     """
 
-    def __init__(self, root: Path, on_gpu: bool = False, gpus: tuple = (), per_gpu: int = 1,
-                 timeout: int = 900):
+    def __init__(
+        self,
+        root: Path,
+        on_gpu: bool = False,
+        gpus: tuple = (),
+        per_gpu: int = 1,
+        timeout: int = 900,
+    ):
         self.root = Path(root)
         self.on_gpu = on_gpu
         self.gpus = list(gpus)
@@ -107,8 +113,12 @@ class Runner:
         path = self.root / "models" / shape.replace(":", "-")
         if mine:
             try:
-                subprocess.run([sys.executable, str(SCRIPT), "make-model", str(path),
-                                "--shape", shape], check=True, env=self._base_env(), timeout=600)
+                subprocess.run(
+                    [sys.executable, str(SCRIPT), "make-model", str(path), "--shape", shape],
+                    check=True,
+                    env=self._base_env(),
+                    timeout=600,
+                )
                 with self._lock:
                     self._models[shape] = path
             finally:
@@ -120,8 +130,11 @@ class Runner:
         return path
 
     def _base_env(self) -> dict:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("FUSEMLA_", "TRITON_INTERPRET", "VLLM_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("FUSEMLA_", "TRITON_INTERPRET", "VLLM_"))
+        }
         env["PYTHONUNBUFFERED"] = "1"
         if not self.on_gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -144,10 +157,27 @@ class Runner:
         return env
 
     def _cmd(self, s: Spec, out: Path) -> list:
-        cmd = [sys.executable, str(SCRIPT), "run", str(self.model(s.shape)), str(out),
-               "--tp", str(s.tp), "--mode", s.mode, "--schedule", s.schedule,
-               "--seed", str(s.seed), "--kv-cache-dtype", s.kv_cache_dtype,
-               "--inject", s.inject, "--max-model-len", str(s.max_model_len)]
+        cmd = [
+            sys.executable,
+            str(SCRIPT),
+            "run",
+            str(self.model(s.shape)),
+            str(out),
+            "--tp",
+            str(s.tp),
+            "--mode",
+            s.mode,
+            "--schedule",
+            s.schedule,
+            "--seed",
+            str(s.seed),
+            "--kv-cache-dtype",
+            s.kv_cache_dtype,
+            "--inject",
+            s.inject,
+            "--max-model-len",
+            str(s.max_model_len),
+        ]
         if s.backend:
             cmd += ["--backend", s.backend]
         if s.capture:
@@ -173,8 +203,13 @@ class Runner:
         log = self.root / "runs" / f"{s.name}.log"
         try:
             with open(log, "w") as f:
-                p = subprocess.run(self._cmd(s, out), stdout=f, stderr=subprocess.STDOUT,
-                                   env=env, timeout=self.timeout)
+                p = subprocess.run(
+                    self._cmd(s, out),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=self.timeout,
+                )
         except subprocess.TimeoutExpired:
             p = None
         finally:
@@ -194,8 +229,13 @@ class Runner:
 
     def run_many(self, specs: list, workers: int | None = None) -> None:
         """Run every spec not yet run, ``workers`` at a time (failures kept for :meth:`run`)."""
-        todo = list({s.name: s for s in specs  # once per name
-                     if s.name not in self.results and s.name not in self.failures}.values())
+        todo = list(
+            {
+                s.name: s
+                for s in specs  # once per name
+                if s.name not in self.results and s.name not in self.failures
+            }.values()
+        )
         shapes = sorted({s.shape for s in todo})
         with cf.ThreadPoolExecutor(max(1, min(len(shapes), os.cpu_count() or 1))) as ex:
             list(ex.map(self.model, shapes))  # the models first, in parallel
@@ -213,8 +253,12 @@ def load(out: Path) -> dict:
     res["ranks"] = []
     for s in res["summaries"]:
         r = s["rank"]
-        res["ranks"].append({"summary": json.loads((out / f"rank{r}.json").read_text()),
-                             "arrays": dict(np.load(out / f"rank{r}.npz"))})
+        res["ranks"].append(
+            {
+                "summary": json.loads((out / f"rank{r}.json").read_text()),
+                "arrays": dict(np.load(out / f"rank{r}.npz")),
+            }
+        )
     return res
 
 
@@ -240,8 +284,10 @@ def token_problems(run: dict, ref: dict, margin: float = TIE_MARGIN) -> list[str
         a, b = run["tokens"][rid][:tie], ref["tokens"][rid][:tie]
         if a != b:
             i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            problems.append(f"request {rid}: token {i} differs ({a[i]} vs {b[i]}) before its "
-                            f"first near tie at {tie} (margin {ref['margins'][rid][i]:.3f})")
+            problems.append(
+                f"request {rid}: token {i} differs ({a[i]} vs {b[i]}) before its "
+                f"first near tie at {tie} (margin {ref['margins'][rid][i]:.3f})"
+            )
     return problems
 
 
@@ -279,8 +325,16 @@ def deviation(run: dict, ref: dict) -> dict:
     # with asynchronous scheduling a token reported at engine step s was sampled by forward s-1
     # or s and is input to forward s or later: forwards before s-1 saw identical inputs
     cutoff = None if first is None else max(first - 1, 0)
-    d = {"out": 0.0, "logprob": 0.0, "cache": None, "steps_compared": 0, "layers": 0,
-         "positions_compared": 0, "first_diverged_step": first, "problems": []}
+    d = {
+        "out": 0.0,
+        "logprob": 0.0,
+        "cache": None,
+        "steps_compared": 0,
+        "layers": 0,
+        "positions_compared": 0,
+        "first_diverged_step": first,
+        "problems": [],
+    }
     # next-token logprobs at every position up to and including the first differing token
     # (its distribution is still computed from identical inputs)
     scale = 0.0
@@ -288,7 +342,7 @@ def deviation(run: dict, ref: dict) -> dict:
         a = run["logprobs"][rid]
         ta, tb = run["tokens"][rid], ref["tokens"][rid]
         i = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(tb))
-        for la, lb in zip(a[:i + 1], b[:i + 1]):
+        for la, lb in zip(a[: i + 1], b[: i + 1]):
             common = set(la) & set(lb)
             if not common:
                 d["problems"].append(f"request {rid}: no common top-k token")
@@ -339,8 +393,10 @@ def accounting_problems(run: dict, ref: dict) -> list[str]:
         # run must rewrite exactly those, no more
         for layer, n in s_run["rows_written_twice"].items():
             if n != s_ref["rows_written_twice"].get(layer, 0):
-                problems.append(f"{layer}: {n} cache rows written more than once (vLLM's own "
-                                f"path: {s_ref['rows_written_twice'].get(layer, 0)})")
+                problems.append(
+                    f"{layer}: {n} cache rows written more than once (vLLM's own "
+                    f"path: {s_ref['rows_written_twice'].get(layer, 0)})"
+                )
         if s_run["rows_written"] != s_ref["rows_written"]:
             problems.append(f"rows written {s_run['rows_written']} vs {s_ref['rows_written']}")
     return problems
@@ -357,8 +413,9 @@ def judge(dev: dict, floor: dict, factor: float = 3.0, atol: dict | None = None)
             continue
         limit = max(factor * floor[k], atol[k])
         if dev[k] > limit:
-            problems.append(f"{k} deviation {dev[k]:.4g} > {limit:.4g} "
-                            f"({factor} x noise floor {floor[k]:.4g})")
+            problems.append(
+                f"{k} deviation {dev[k]:.4g} > {limit:.4g} ({factor} x noise floor {floor[k]:.4g})"
+            )
     return problems
 
 

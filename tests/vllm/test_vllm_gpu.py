@@ -40,12 +40,11 @@ pytestmark = [pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
 if not DRYRUN:
     pytestmark.append(pytest.mark.gpu)
 
-NOISE = 2.0 ** -8
+NOISE = 2.0**-8
 MODES = ("eager", "piecewise", "full_and_piecewise")
 MODELS = ("v3-h16", "v3-h128", "v2lite-h16", "nope64-h32")
 # PIECEWISE on the DeepSeek-V3 models only (the other two: eager and vLLM's default mode)
-CASES = [(m, mode) for m in MODELS for mode in MODES
-         if mode != "piecewise" or m.startswith("v3-")]
+CASES = [(m, mode) for m in MODELS for mode in MODES if mode != "piecewise" or m.startswith("v3-")]
 HALF_MODEL = "v3-h16"  # each fused half alone, the planted bug, FP8 and TP=2 on this one
 FP8_MODELS = ("v3-h16", "v3-h128")
 # other MLA decode backends vLLM offers on Hopper (bf16 cache), in vLLM's default mode
@@ -60,8 +59,9 @@ WUK_MODES = ("fp8", "fp8xfp8")
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
-_ONLY_MODELS = [m.strip() for m in os.environ.get("FUSEMLA_VLLM_GPU_MODELS", "").split(",")
-                if m.strip()]
+_ONLY_MODELS = [
+    m.strip() for m in os.environ.get("FUSEMLA_VLLM_GPU_MODELS", "").split(",") if m.strip()
+]
 if _ONLY_MODELS:
     MODELS = tuple(m for m in MODELS if m in _ONLY_MODELS)
     CASES = [(m, mode) for m, mode in CASES if m in _ONLY_MODELS]
@@ -80,42 +80,59 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
     kw.setdefault("profile", True)
     if DRYRUN:
         kw.setdefault("backend", "CPU_MLA")
-    return Spec(name=f"{model}-{name}", shape=model, plugin=plugin, mode=mode, schedule=SCHEDULE,
-                max_model_len=MAX_LEN, interpret=False, **kw)
+    return Spec(
+        name=f"{model}-{name}",
+        shape=model,
+        plugin=plugin,
+        mode=mode,
+        schedule=SCHEDULE,
+        max_model_len=MAX_LEN,
+        interpret=False,
+        **kw,
+    )
 
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
     wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
-    want = (lambda g: groups is None or g in groups)
-    specs = [_spec(HALF_MODEL, "off-eager", False),
-             _spec(HALF_MODEL, "noise-eager", False, inject=f"noise:{NOISE}")]
+    want = lambda g: groups is None or g in groups
+    specs = [
+        _spec(HALF_MODEL, "off-eager", False),
+        _spec(HALF_MODEL, "noise-eager", False, inject=f"noise:{NOISE}"),
+    ]
     if want("main"):
         for m, mode in CASES:
             specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
         for m in MODELS:
             specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
-        specs += [_spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
-                  _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
-                  _spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one")]
+        specs += [
+            _spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
+            _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
+            _spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one"),
+        ]
     if want("fp8") and FP8_MODELS:
         fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
         for m in FP8_MODELS:
             for mode in ("eager", "full_and_piecewise"):
-                specs += [_spec(m, f"fp8t-off-{mode}", False, mode, **fp8),
-                          _spec(m, f"fp8t-on-{mode}", True, mode, **fp8)]
+                specs += [
+                    _spec(m, f"fp8t-off-{mode}", False, mode, **fp8),
+                    _spec(m, f"fp8t-on-{mode}", True, mode, **fp8),
+                ]
             specs.append(_spec(m, "fp8t-noise-eager", False, inject=f"noise:{NOISE}", **fp8))
         specs.append(_spec(HALF_MODEL, "fp8t-bug-eager", True, inject="rope_off_by_one", **fp8))
         # vLLM's own choice for FP8 on Hopper (FLASHMLA): the plugin falls back
         mode = "full_and_piecewise"
-        specs += [_spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
-                  _spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8")]
+        specs += [
+            _spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
+            _spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"),
+        ]
     if want("wuk"):
         for m in WUK_MODELS:
             for mode in ("eager", "full_and_piecewise"):
                 for w in WUK_MODES:
-                    specs.append(_spec(m, f"wuk-{w}-on-{mode}", True, mode,
-                                       env={"FUSEMLA_VLLM_W_UK": w}))
+                    specs.append(
+                        _spec(m, f"wuk-{w}-on-{mode}", True, mode, env={"FUSEMLA_VLLM_W_UK": w})
+                    )
                 if not want("main"):  # the bf16 runs it is judged against
                     specs.append(_spec(m, f"off-{mode}", False, mode))
             if not want("main"):
@@ -125,18 +142,23 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     if want("backends"):
         mode = "full_and_piecewise"
         for b in OTHER_BACKENDS:
-            specs += [_spec(HALF_MODEL, f"{b}-off", False, mode, backend=b),
-                      _spec(HALF_MODEL, f"{b}-on", True, mode, backend=b)]
+            specs += [
+                _spec(HALF_MODEL, f"{b}-off", False, mode, backend=b),
+                _spec(HALF_MODEL, f"{b}-on", True, mode, backend=b),
+            ]
         force = {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}
-        specs += [_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
-                  _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
-                  _spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"),
-                  _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA",
-                        env=force)]
+        specs += [
+            _spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA", env=force),
+        ]
     if tp2 and want("tp2"):
         for mode in ("eager", "full_and_piecewise"):
-            specs += [_spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2),
-                      _spec(HALF_MODEL, f"tp2-on-{mode}", True, mode, tp=2)]
+            specs += [
+                _spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2),
+                _spec(HALF_MODEL, f"tp2-on-{mode}", True, mode, tp=2),
+            ]
     return specs
 
 
@@ -167,9 +189,13 @@ def gpu_runs(tmp_path_factory, device):
     if not gpus and not DRYRUN:
         pytest.skip("no GPU")
     per_gpu = int(os.environ.get("FUSEMLA_VLLM_GPU_PER_DEVICE", "4"))
-    runner = harness.Runner(tmp_path_factory.mktemp("vllm-gpu"), on_gpu=bool(gpus),
-                            gpus=tuple(gpus),
-                            per_gpu=per_gpu, timeout=540)
+    runner = harness.Runner(
+        tmp_path_factory.mktemp("vllm-gpu"),
+        on_gpu=bool(gpus),
+        gpus=tuple(gpus),
+        per_gpu=per_gpu,
+        timeout=540,
+    )
     specs = all_specs(tp2=len(gpus) >= 2, groups=_groups())
     # the TP=2 runs first (they share both GPUs with the others; small fixed KV caches)
     runner.run_many(sorted(specs, key=lambda s: -s.tp), workers=len(gpus) * per_gpu + 1)
@@ -179,25 +205,41 @@ def gpu_runs(tmp_path_factory, device):
     if path:
         for name, r in runner.results.items():
             report["runs"][name] = {
-                "backends": r["backends"], "init_s": r["init_s"], "loop_s": r["loop_s"],
-                "steps": r["steps"], "kernels": r["kernels"],
+                "backends": r["backends"],
+                "init_s": r["init_s"],
+                "loop_s": r["loop_s"],
+                "steps": r["steps"],
+                "kernels": r["kernels"],
                 "stats": [x["summary"]["plugin_stats"] for x in r["ranks"]],
-                "min_margin": min((m for v in r["margins"].values() for m in v), default=None)}
+                "min_margin": min((m for v in r["margins"].values() for m in v), default=None),
+            }
         report["failures"] = {k: v[-1500:] for k, v in runner.failures.items()}
         Path(path).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
 
 
 def _floor(runner, model: str, fp8: bool = False) -> dict:
     pre = "fp8-" if fp8 else ""
-    return deviation(runner.run(_spec(model, f"{pre}noise-eager", False)),
-                     runner.run(_spec(model, f"{pre}off-eager", False)))
+    return deviation(
+        runner.run(_spec(model, f"{pre}noise-eager", False)),
+        runner.run(_spec(model, f"{pre}off-eager", False)),
+    )
 
 
 def _record(report: dict, key: str, dev: dict, floor: dict, extra: dict | None = None) -> None:
-    keep = ("out", "logprob", "logprob_rel", "cache", "steps_compared", "positions_compared",
-            "first_diverged_step")
-    report["judged"][key] = {"dev": {k: dev.get(k) for k in keep},
-                             "floor": {k: floor.get(k) for k in keep}, **(extra or {})}
+    keep = (
+        "out",
+        "logprob",
+        "logprob_rel",
+        "cache",
+        "steps_compared",
+        "positions_compared",
+        "first_diverged_step",
+    )
+    report["judged"][key] = {
+        "dev": {k: dev.get(k) for k in keep},
+        "floor": {k: floor.get(k) for k in keep},
+        **(extra or {}),
+    }
 
 
 def _kernels(res: dict, rank: int = 0) -> dict:
@@ -232,11 +274,16 @@ def test_plugin_on_matches_vllm(gpu_runs, model, mode):
     on = runner.run(_spec(model, f"on-{mode}", True, mode))
     floor = _floor(runner, model)
     dev = deviation(on, off)
-    _record(report, f"{model}/{mode}", dev, floor,
-            {"backend": on["backends"][0], "kernels_on": on["kernels"],
-             "kernels_off": off["kernels"]})
+    _record(
+        report,
+        f"{model}/{mode}",
+        dev,
+        floor,
+        {"backend": on["backends"][0], "kernels_on": on["kernels"], "kernels_off": off["kernels"]},
+    )
     assert on["wrappers"] == ["FuseMLAWrapper"] and off["wrappers"] == [
-        "MultiHeadLatentAttentionWrapper"]
+        "MultiHeadLatentAttentionWrapper"
+    ]
     assert token_problems(on, off) == []
     assert judge(dev, floor) == []
     assert dev["positions_compared"] >= 30, dev
@@ -289,11 +336,18 @@ def test_fp8_cache(gpu_runs, model, mode):
     fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
     off = runner.run(_spec(model, f"fp8t-off-{mode}", False, mode, **fp8))
     on = runner.run(_spec(model, f"fp8t-on-{mode}", True, mode, **fp8))
-    floor = deviation(runner.run(_spec(model, "fp8t-noise-eager", False, **fp8)),
-                      runner.run(_spec(model, "fp8t-off-eager", False, **fp8)))
+    floor = deviation(
+        runner.run(_spec(model, "fp8t-noise-eager", False, **fp8)),
+        runner.run(_spec(model, "fp8t-off-eager", False, **fp8)),
+    )
     dev = deviation(on, off)
-    _record(report, f"{model}/fp8/{FP8_BACKEND}/{mode}", dev, floor,
-            {"backend": on["backends"][0], "kernels_on": on["kernels"]})
+    _record(
+        report,
+        f"{model}/fp8/{FP8_BACKEND}/{mode}",
+        dev,
+        floor,
+        {"backend": on["backends"][0], "kernels_on": on["kernels"]},
+    )
     assert on["backends"][0]["kv_cache_dtype"].startswith("fp8")
     assert on["backends"][0]["backend"] == FP8_BACKEND
     assert token_problems(on, off) == []
@@ -313,8 +367,9 @@ def test_fp8_floor_catches_a_planted_bug(gpu_runs):
     assert judge(bug, floor) != [], (bug, floor)
 
 
-def _falls_back(on: dict, off: dict, reason: str, floor: dict | None = None,
-                exact: bool = True) -> dict:
+def _falls_back(
+    on: dict, off: dict, reason: str, floor: dict | None = None, exact: bool = True
+) -> dict:
     """The plugin left every MLA layer to vLLM, said why, and ran nothing of its own: no
     fusemla kernel, as many vLLM cache-write kernels as vLLM's own run. The numbers: bit for bit
     (``exact``), within ``floor``, or (neither) only reported, where vLLM's own path is not
@@ -368,15 +423,22 @@ def test_fp8_w_uk(gpu_runs, model, mode, w_uk):
     _need("wuk")
     runner, report = gpu_runs
     off = runner.run(_spec(model, f"off-{mode}", False, mode))
-    on = runner.run(_spec(model, f"wuk-{w_uk}-on-{mode}", True, mode,
-                          env={"FUSEMLA_VLLM_W_UK": w_uk}))
+    on = runner.run(
+        _spec(model, f"wuk-{w_uk}-on-{mode}", True, mode, env={"FUSEMLA_VLLM_W_UK": w_uk})
+    )
     floor = _floor(runner, model)
-    bug = deviation(runner.run(_spec(HALF_MODEL, "bug-eager", True)),
-                    runner.run(_spec(HALF_MODEL, "off-eager", False)))
+    bug = deviation(
+        runner.run(_spec(HALF_MODEL, "bug-eager", True)),
+        runner.run(_spec(HALF_MODEL, "off-eager", False)),
+    )
     dev = deviation(on, off)
-    _record(report, f"{model}/w_uk-{w_uk}/{mode}", dev, floor,
-            {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"],
-             "kernels_on": on["kernels"]})
+    _record(
+        report,
+        f"{model}/w_uk-{w_uk}/{mode}",
+        dev,
+        floor,
+        {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"], "kernels_on": on["kernels"]},
+    )
     check_fused(on, off)
     assert not dev["problems"], dev
     assert dev["logprob_rel"] > floor["logprob_rel"]  # above bf16 noise: FP8 ran
@@ -394,8 +456,13 @@ def test_other_decode_backend(gpu_runs, backend):
     on = runner.run(_spec(HALF_MODEL, f"{backend}-on", True, mode, backend=backend))
     floor = _floor(runner, HALF_MODEL)
     dev = deviation(on, off)
-    _record(report, f"{HALF_MODEL}/{backend}/{mode}", dev, floor,
-            {"backend": on["backends"][0], "kernels_on": on["kernels"]})
+    _record(
+        report,
+        f"{HALF_MODEL}/{backend}/{mode}",
+        dev,
+        floor,
+        {"backend": on["backends"][0], "kernels_on": on["kernels"]},
+    )
     assert on["backends"][0]["backend"] == backend
     assert token_problems(on, off) == [] and judge(dev, floor) == []
     check_fused(on, off)
@@ -432,8 +499,13 @@ def test_flashmla_full_graphs_fall_back_and_why(gpu_runs):
     specs = {s.name: s for s in all_specs(tp2=False, groups={"backends"})}
     forced = runner.run(specs[f"{HALF_MODEL}-FLASHMLA-forced-full"])
     bad = deviation(forced, off)
-    _record(report, f"{HALF_MODEL}/FLASHMLA/{mode}/forced", bad, floor,
-            {"stats": stats(forced), "kernels_on": forced["kernels"]})
+    _record(
+        report,
+        f"{HALF_MODEL}/FLASHMLA/{mode}/forced",
+        bad,
+        floor,
+        {"stats": stats(forced), "kernels_on": forced["kernels"]},
+    )
     off_e = runner.run(_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"))
     off2 = runner.run(_spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"))
     det = deviation(off2, off_e)

@@ -173,8 +173,9 @@ def test_noise_floor_separates_a_planted_bug(runner):
     """bf16-ulp noise in vLLM's own cache writes moves the numbers far less than an off-by-one
     RoPE position on decode tokens does; the plugin's deviation sits at the noise level."""
     off = runner.run(base("off", False, interpret=False))
-    noise = deviation(runner.run(base("off-noise", False, interpret=False,
-                                      inject=f"noise:{2.0 ** -8}")), off)
+    noise = deviation(
+        runner.run(base("off-noise", False, interpret=False, inject=f"noise:{2.0**-8}")), off
+    )
     bug = deviation(runner.run(base("on-rope-off-by-one", True, inject="rope_off_by_one")), off)
     on = deviation(runner.run(base("on", True)), off)
     assert noise["out"] > 0  # the noise reached the outputs
@@ -193,12 +194,15 @@ def test_fp8_w_uk_option(runner, w_uk):
     on = runner.run(base(f"on-w-uk-{w_uk}", True, env={"FUSEMLA_VLLM_W_UK": w_uk}))
     check_fused_everywhere(on, off)
     assert accounting_problems(on, off) == []
-    noise = deviation(runner.run(base("off-noise", False, interpret=False,
-                                      inject=f"noise:{2.0 ** -8}")), off)
+    noise = deviation(
+        runner.run(base("off-noise", False, interpret=False, inject=f"noise:{2.0**-8}")), off
+    )
     bug = deviation(runner.run(base("on-rope-off-by-one", True, inject="rope_off_by_one")), off)
     d = deviation(on, off)
-    print(f"W_UK {w_uk}: out {d['out']:.4g} logprob_rel {d['logprob_rel']:.4g} | bf16 noise "
-          f"{noise['out']:.4g} / {noise['logprob_rel']:.4g} | planted bug {bug['out']:.4g}")
+    print(
+        f"W_UK {w_uk}: out {d['out']:.4g} logprob_rel {d['logprob_rel']:.4g} | bf16 noise "
+        f"{noise['out']:.4g} / {noise['logprob_rel']:.4g} | planted bug {bug['out']:.4g}"
+    )
     assert d["problems"] == [] and d["out"] > 0  # the FP8 weights really ran
     assert d["out"] < bug["out"] / 2, (d, bug)
 
@@ -251,7 +255,8 @@ def test_shape_half_switched_off(runner, shape, half):
         assert s["prefill_tokens"] == 0 and s["decode_tokens"] > 0
     assert s["vllm_rope_tokens"] == s["vllm_cache_write_tokens"] == writers["vllm"] > 0
     assert writers["kernel"] + writers["vllm"] == sum(
-        off["ranks"][0]["summary"]["rows_written"].values())
+        off["ranks"][0]["summary"]["rows_written"].values()
+    )
 
 
 def test_shape_compiled(runner):
@@ -281,8 +286,9 @@ def test_shape_tp2(runner):
 # ------------------------------------------------------------------------------ AMX hosts
 
 
-@pytest.mark.skipif(not harness.cpu_has_amx(),
-                    reason="the CPU has no AMX tiles (vLLM picks CPU_MLA by itself here)")
+@pytest.mark.skipif(
+    not harness.cpu_has_amx(), reason="the CPU has no AMX tiles (vLLM picks CPU_MLA by itself here)"
+)
 def test_amx_host_falls_back_everywhere(runner):
     """With vLLM's own choice on an AMX CPU (AMX_MLA, which packs W_UK/W_UV itself) the plugin,
     installed and on, leaves every MLA layer to vLLM, says why once, and changes nothing."""

@@ -93,11 +93,30 @@ def mla_prologue(
     ``FUSEMLA_DEBUG_CHECKS=1``. Registered as ``torch.ops.fusemla.mla_prologue``: traceable by
     ``torch.compile(fullgraph=True)`` and capturable in CUDA graphs.
     """
-    return _execute(prepare(
-        q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache, kv_cache,
-        slot_mapping, num_decode_tokens=num_decode_tokens, is_neox=is_neox,
-        rope_applied=rope_applied, kv_scale=kv_scale, out=out, q_pe_out=q_pe_out,
-        k_pe_out=k_pe_out, q_out_dtype=q_out_dtype, q_scale=q_scale, act_quant=act_quant))
+    return _execute(
+        prepare(
+            q_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            w_uk_t,
+            positions,
+            cos_cache,
+            sin_cache,
+            kv_cache,
+            slot_mapping,
+            num_decode_tokens=num_decode_tokens,
+            is_neox=is_neox,
+            rope_applied=rope_applied,
+            kv_scale=kv_scale,
+            out=out,
+            q_pe_out=q_pe_out,
+            k_pe_out=k_pe_out,
+            q_out_dtype=q_out_dtype,
+            q_scale=q_scale,
+            act_quant=act_quant,
+        )
+    )
 
 
 def prologue_spec(
@@ -116,8 +135,15 @@ def prologue_spec(
     copies: update a weight or RoPE table in place, or build a new spec. A ``q_scale`` tensor is
     read on the device at every step (CUDA-graph safe).
     """
-    return build_spec(w_uk_t, cos_cache, sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
-                      q_scale=q_scale, act_quant=act_quant)
+    return build_spec(
+        w_uk_t,
+        cos_cache,
+        sin_cache,
+        is_neox=is_neox,
+        q_out_dtype=q_out_dtype,
+        q_scale=q_scale,
+        act_quant=act_quant,
+    )
 
 
 def mla_prologue_step(
@@ -140,10 +166,24 @@ def mla_prologue_step(
     """One step of the fused prologue on a layer's :func:`prologue_spec`: the per-step
     arguments of :func:`mla_prologue` (same meaning, same result), with only these checked at
     every call."""
-    return _execute(prepare_step(
-        spec, q_nope, q_pe, kv_c, k_pe, positions, kv_cache, slot_mapping,
-        num_decode_tokens=num_decode_tokens, rope_applied=rope_applied, kv_scale=kv_scale,
-        out=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out))
+    return _execute(
+        prepare_step(
+            spec,
+            q_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            positions,
+            kv_cache,
+            slot_mapping,
+            num_decode_tokens=num_decode_tokens,
+            rope_applied=rope_applied,
+            kv_scale=kv_scale,
+            out=out,
+            q_pe_out=q_pe_out,
+            k_pe_out=k_pe_out,
+        )
+    )
 
 
 def _execute(args: PrologueArgs) -> PrologueOutput:
@@ -178,7 +218,22 @@ def mla_decode_prologue(
     act_quant: str | None = None,
 ) -> torch.Tensor:
     """:func:`mla_prologue` for an all-decode batch; returns ``q [N, H, L + R]``."""
-    return mla_prologue(q_nope, q_pe, kv_c, k_pe, w_uk_t, positions, cos_cache, sin_cache,
-                        kv_cache, slot_mapping, is_neox=is_neox, rope_applied=rope_applied,
-                        kv_scale=kv_scale, out=out, q_out_dtype=q_out_dtype, q_scale=q_scale,
-                        act_quant=act_quant).q
+    return mla_prologue(
+        q_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        w_uk_t,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_cache,
+        slot_mapping,
+        is_neox=is_neox,
+        rope_applied=rope_applied,
+        kv_scale=kv_scale,
+        out=out,
+        q_out_dtype=q_out_dtype,
+        q_scale=q_scale,
+        act_quant=act_quant,
+    ).q

@@ -90,7 +90,7 @@ class PrologueSpec:
 
     @property
     def weight_format(self) -> str:
-        """"plain", "fp8" or "mxfp4"."""
+        """ "plain", "fp8" or "mxfp4"."""
         return "plain" if isinstance(self.w_uk_t, torch.Tensor) else self.w_uk_t.format
 
     @property
@@ -179,8 +179,9 @@ def _tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def _shape(name: str, x: torch.Tensor, expected: Sequence[int | None],
-           what: Callable[[], str]) -> None:
+def _shape(
+    name: str, x: torch.Tensor, expected: Sequence[int | None], what: Callable[[], str]
+) -> None:
     """Check ``x``'s shape against ``expected`` (None: any size). ``what`` builds the expected
     shape's text, and is called only when the check fails: formatting a size into a string
     under ``torch.compile`` would specialize a symbolic (dynamic) batch size to a constant."""
@@ -251,8 +252,12 @@ def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype 
     if dims is None:
         if w_uk_t.dim() != 3 or 0 in w_uk_t.shape:
             raise FuseMLAValueError(f"w_uk_t: expected shape [H, P, L], got {describe(w_uk_t)}")
-        _dtype("w_uk_t", w_uk_t, ACT_DTYPES,
-               " (the activations' dtype) or a fusemla.quant.QuantizedWeight")
+        _dtype(
+            "w_uk_t",
+            w_uk_t,
+            ACT_DTYPES,
+            " (the activations' dtype) or a fusemla.quant.QuantizedWeight",
+        )
     else:
         _shape("w_uk_t", w_uk_t, dims, lambda: f"[H={H}, P={P}, L={L}]")
     if act is not None and w_uk_t.dtype != act:
@@ -263,7 +268,8 @@ def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype 
     if not weight_layout_readable(w_uk_t):
         raise FuseMLAValueError(
             "w_uk_t: expected stride 1 along L (the last dim) or along P (K-major), got "
-            f"{describe(w_uk_t)}")
+            f"{describe(w_uk_t)}"
+        )
     return w_uk_t
 
 
@@ -298,22 +304,32 @@ def build_spec(
     cos_cache = _tensor("cos_cache", cos_cache)
     sin_cache = _tensor("sin_cache", sin_cache)
     _shape("cos_cache", cos_cache, (None, half), lambda: f"[max_position, {what_r}]")
-    _shape("sin_cache", sin_cache, tuple(cos_cache.shape),
-           lambda: f"[max_position={cos_cache.shape[0]}, R/2={cos_cache.shape[1]}] "
-                   "(like cos_cache)")
+    _shape(
+        "sin_cache",
+        sin_cache,
+        tuple(cos_cache.shape),
+        lambda: f"[max_position={cos_cache.shape[0]}, R/2={cos_cache.shape[1]}] (like cos_cache)",
+    )
     if cos_cache.shape[0] == 0 or cos_cache.shape[1] == 0:
         raise FuseMLAValueError(
-            f"cos_cache: expected at least one position and R/2 > 0, got {describe(cos_cache)}")
+            f"cos_cache: expected at least one position and R/2 > 0, got {describe(cos_cache)}"
+        )
     _dtype("cos_cache", cos_cache, ROPE_DTYPES)
     _dtype("sin_cache", sin_cache, ROPE_DTYPES)
     for name, x in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
         _last_contiguous(name, x)
 
     act = _act or (w_uk_t.dtype if isinstance(w_uk_t, torch.Tensor) else None)
-    if q_out_dtype is not None and q_out_dtype not in FP8_DTYPES and (
-            q_out_dtype not in ACT_DTYPES or (act is not None and q_out_dtype != act)):
-        allowed = f"None, {act} or an FP8 dtype" if act is not None else \
-            "None, the activations' dtype or an FP8 dtype"
+    if (
+        q_out_dtype is not None
+        and q_out_dtype not in FP8_DTYPES
+        and (q_out_dtype not in ACT_DTYPES or (act is not None and q_out_dtype != act))
+    ):
+        allowed = (
+            f"None, {act} or an FP8 dtype"
+            if act is not None
+            else "None, the activations' dtype or an FP8 dtype"
+        )
         raise FuseMLATypeError(f"q_out_dtype: expected {allowed}, got {q_out_dtype!r}")
     q_fp8 = q_out_dtype in FP8_DTYPES
     q_scale = check_scale("q_scale", q_scale, f"q_out_dtype={q_out_dtype}" if q_fp8 else None)
@@ -325,21 +341,32 @@ def build_spec(
         raise FuseMLAValueError(
             "act_quant: 'fp8' (an FP8 x FP8 BMM) needs FP8 weights (a QuantizedWeight of "
             f"format 'fp8', e.g. fusemla.quant.quantize_fp8_weight), got w_uk_t of format "
-            f"{w_format!r}")
+            f"{w_format!r}"
+        )
 
     device = cos_cache.device
-    w_parts = ([("w_uk_t", w_uk_t)] if isinstance(w_uk_t, torch.Tensor)
-               else [("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)])
+    w_parts = (
+        [("w_uk_t", w_uk_t)]
+        if isinstance(w_uk_t, torch.Tensor)
+        else [("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)]
+    )
     named = [*w_parts, ("sin_cache", sin_cache)]
     if isinstance(q_scale, torch.Tensor):
         named.append(("q_scale", q_scale))
     for name, x in named:
         if x.device != device:
             raise FuseMLATypeError(
-                f"{name}: expected device {device} (like cos_cache), got {describe(x)}")
-    return PrologueSpec(w_uk_t=w_uk_t, cos_cache=cos_cache, sin_cache=sin_cache,
-                        is_neox=is_neox, q_out_dtype=q_out_dtype, q_scale=q_scale,
-                        act_quant=act_quant)
+                f"{name}: expected device {device} (like cos_cache), got {describe(x)}"
+            )
+    return PrologueSpec(
+        w_uk_t=w_uk_t,
+        cos_cache=cos_cache,
+        sin_cache=sin_cache,
+        is_neox=is_neox,
+        q_out_dtype=q_out_dtype,
+        q_scale=q_scale,
+        act_quant=act_quant,
+    )
 
 
 def _num_decode_tokens(value: object, N: int) -> int:
@@ -348,16 +375,24 @@ def _num_decode_tokens(value: object, N: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FuseMLATypeError(
             f"num_decode_tokens: expected an int in [0, N={N}] or None (all decode), "
-            f"got {describe(value)}")
+            f"got {describe(value)}"
+        )
     if not 0 <= value <= N:
         raise FuseMLAValueError(
             f"num_decode_tokens: expected a value in [0, N={N}] (decode tokens come first), "
-            f"got {value}")
+            f"got {value}"
+        )
     return value
 
 
-def _output(name: str, x: torch.Tensor | None, shape: tuple, what: Callable[[], str],
-            dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+def _output(
+    name: str,
+    x: torch.Tensor | None,
+    shape: tuple,
+    what: Callable[[], str],
+    dtype: torch.dtype,
+    like: torch.Tensor,
+) -> torch.Tensor:
     """A given output, checked; or a new empty one."""
     if x is None:
         return like.new_empty(shape, dtype=dtype)
@@ -422,29 +457,38 @@ def prepare_step(
     """
     if not isinstance(spec, PrologueSpec):
         raise FuseMLATypeError(
-            f"spec: expected a PrologueSpec (fusemla.prologue_spec(...)), got {describe(spec)}")
+            f"spec: expected a PrologueSpec (fusemla.prologue_spec(...)), got {describe(spec)}"
+        )
     q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R) = _acts or _activations(q_nope, q_pe, kv_c, k_pe)
     act = q_nope.dtype
     device = q_nope.device
     sH, sP, sL, sR = spec.H, spec.P, spec.L, spec.R
     if (H, P) != (sH, sP):
-        raise FuseMLAValueError(f"q_nope: expected shape [N, H={sH}, P={sP}] (the spec's "
-                                f"w_uk_t), got {describe(q_nope)}")
+        raise FuseMLAValueError(
+            f"q_nope: expected shape [N, H={sH}, P={sP}] (the spec's "
+            f"w_uk_t), got {describe(q_nope)}"
+        )
     if R != sR:
-        raise FuseMLAValueError(f"q_pe: expected shape [N={B}, H={H}, R={sR}] (the spec's "
-                                f"RoPE tables hold R/2={sR // 2}), got {describe(q_pe)}")
+        raise FuseMLAValueError(
+            f"q_pe: expected shape [N={B}, H={H}, R={sR}] (the spec's "
+            f"RoPE tables hold R/2={sR // 2}), got {describe(q_pe)}"
+        )
     if L != sL:
-        raise FuseMLAValueError(f"kv_c: expected shape [N={B}, L={sL}] (the spec's w_uk_t), "
-                                f"got {describe(kv_c)}")
+        raise FuseMLAValueError(
+            f"kv_c: expected shape [N={B}, L={sL}] (the spec's w_uk_t), got {describe(kv_c)}"
+        )
     for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
         if x.dtype != act:
             raise FuseMLATypeError(f"{name}: expected dtype {act} (like q_nope), got {describe(x)}")
     if spec.act_dtype is not None and spec.act_dtype != act:
-        raise FuseMLATypeError(f"q_nope: expected dtype {spec.act_dtype} (the spec's w_uk_t), "
-                               f"got {describe(q_nope)}")
+        raise FuseMLATypeError(
+            f"q_nope: expected dtype {spec.act_dtype} (the spec's w_uk_t), got {describe(q_nope)}"
+        )
     if spec.q_out_dtype in ACT_DTYPES and spec.q_out_dtype != act:
-        raise FuseMLATypeError(f"q_nope: expected dtype {spec.q_out_dtype} (the spec's "
-                               f"q_out_dtype), got {describe(q_nope)}")
+        raise FuseMLATypeError(
+            f"q_nope: expected dtype {spec.q_out_dtype} (the spec's "
+            f"q_out_dtype), got {describe(q_nope)}"
+        )
     D = _num_decode_tokens(num_decode_tokens, B)
     if not isinstance(rope_applied, bool):
         raise FuseMLATypeError(f"rope_applied: expected a bool, got {describe(rope_applied)}")
@@ -454,8 +498,9 @@ def prepare_step(
     _dtype("positions", positions, INDEX_DTYPES)
 
     kv_cache = _tensor("kv_cache", kv_cache)
-    _shape("kv_cache", kv_cache, (None, None, L + R),
-           lambda: f"[num_blocks, block_size, L+R={L + R}]")
+    _shape(
+        "kv_cache", kv_cache, (None, None, L + R), lambda: f"[num_blocks, block_size, L+R={L + R}]"
+    )
     if kv_cache.dtype == torch.uint8:
         raise FuseMLATypeError(
             "kv_cache: a uint8 cache must be viewed as its FP8 type first "
@@ -468,20 +513,31 @@ def prepare_step(
     _dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
 
     q_dtype = spec.q_out_dtype or act
-    q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype,
-                q_nope)
-    q_pe_out = _output("q_pe_out", q_pe_out, (B - D, H, R),
-                       lambda: f"[N-D={B - D}, H={H}, R={R}]", act, q_nope)
-    k_pe_out = _output("k_pe_out", k_pe_out, (B - D, R), lambda: f"[N-D={B - D}, R={R}]", act,
-                       q_nope)
+    q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype, q_nope)
+    q_pe_out = _output(
+        "q_pe_out", q_pe_out, (B - D, H, R), lambda: f"[N-D={B - D}, H={H}, R={R}]", act, q_nope
+    )
+    k_pe_out = _output(
+        "k_pe_out", k_pe_out, (B - D, R), lambda: f"[N-D={B - D}, R={R}]", act, q_nope
+    )
 
     kv_fp8 = kv_cache.dtype in FP8_DTYPES
-    kv_scale = check_scale("kv_scale", kv_scale,
-                           f"an FP8 kv_cache ({kv_cache.dtype})" if kv_fp8 else None)
+    kv_scale = check_scale(
+        "kv_scale", kv_scale, f"an FP8 kv_cache ({kv_cache.dtype})" if kv_fp8 else None
+    )
 
-    named = [("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe), ("positions", positions),
-             ("kv_cache", kv_cache), ("slot_mapping", slot_mapping), ("out", q),
-             ("q_pe_out", q_pe_out), ("k_pe_out", k_pe_out), ("spec", spec.cos_cache)]
+    named = [
+        ("q_pe", q_pe),
+        ("kv_c", kv_c),
+        ("k_pe", k_pe),
+        ("positions", positions),
+        ("kv_cache", kv_cache),
+        ("slot_mapping", slot_mapping),
+        ("out", q),
+        ("q_pe_out", q_pe_out),
+        ("k_pe_out", k_pe_out),
+        ("spec", spec.cos_cache),
+    ]
     if isinstance(kv_scale, torch.Tensor):
         named.append(("kv_scale", kv_scale))
     for name, x in named:
@@ -494,9 +550,19 @@ def prepare_step(
         if x.dim() > 1 and name != "spec":  # the spec's tensors were checked by build_spec
             _last_contiguous(name, x)
     return PrologueArgs(
-        spec=spec, q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, positions=positions,
-        kv_cache=kv_cache, slot_mapping=slot_mapping, num_decode_tokens=D,
-        apply_rope=not rope_applied, kv_scale=kv_scale, q=q, q_pe_out=q_pe_out,
+        spec=spec,
+        q_nope=q_nope,
+        q_pe=q_pe,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        positions=positions,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        num_decode_tokens=D,
+        apply_rope=not rope_applied,
+        kv_scale=kv_scale,
+        q=q,
+        q_pe_out=q_pe_out,
         k_pe_out=k_pe_out,
     )
 
@@ -532,13 +598,31 @@ def prepare(
     """
     acts = _activations(q_nope, q_pe, kv_c, k_pe)
     _, H, P, L, R = acts[4]
-    spec = build_spec(w_uk_t, cos_cache, sin_cache, is_neox=is_neox, q_out_dtype=q_out_dtype,
-                      q_scale=q_scale, act_quant=act_quant, _dims=(H, P, L, R),
-                      _act=acts[0].dtype)
-    return prepare_step(spec, *acts[:4], positions, kv_cache, slot_mapping,
-                        num_decode_tokens=num_decode_tokens, rope_applied=rope_applied,
-                        kv_scale=kv_scale, out=out, q_pe_out=q_pe_out, k_pe_out=k_pe_out,
-                        _acts=acts)
+    spec = build_spec(
+        w_uk_t,
+        cos_cache,
+        sin_cache,
+        is_neox=is_neox,
+        q_out_dtype=q_out_dtype,
+        q_scale=q_scale,
+        act_quant=act_quant,
+        _dims=(H, P, L, R),
+        _act=acts[0].dtype,
+    )
+    return prepare_step(
+        spec,
+        *acts[:4],
+        positions,
+        kv_cache,
+        slot_mapping,
+        num_decode_tokens=num_decode_tokens,
+        rope_applied=rope_applied,
+        kv_scale=kv_scale,
+        out=out,
+        q_pe_out=q_pe_out,
+        k_pe_out=k_pe_out,
+        _acts=acts,
+    )
 
 
 def check_device_values(args: PrologueArgs) -> None:
@@ -563,8 +647,10 @@ def check_device_values(args: PrologueArgs) -> None:
             f"slot_mapping: expected values < {num_slots} (num_blocks * block_size) or negative "
             f"(skip), got slot_mapping[{i}] = {int(slots[i])}"
         )
-    for name, scale, used in (("kv_scale", args.kv_scale, args.kv_cache.dtype in FP8_DTYPES),
-                              ("q_scale", args.q_scale, args.q.dtype in FP8_DTYPES)):
+    for name, scale, used in (
+        ("kv_scale", args.kv_scale, args.kv_cache.dtype in FP8_DTYPES),
+        ("q_scale", args.q_scale, args.q.dtype in FP8_DTYPES),
+    ):
         if used and isinstance(scale, torch.Tensor):
             value = float(scale.detach().cpu().reshape(()))
             if not (math.isfinite(value) and value > 0):

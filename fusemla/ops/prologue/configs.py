@@ -28,8 +28,18 @@ SMALL_BATCH = 8
 #: decode batches of at least this size use the large-batch tile config (in between: medium)
 LARGE_BATCH = 256
 
-_KEYS = ("BLOCK_P", "BLOCK_L", "BLOCK_T", "BLOCK_R", "BLOCK_LC", "ROPE_ROWS", "CACHE_ROWS",
-         "num_warps", "num_stages", "programs_per_sm")
+_KEYS = (
+    "BLOCK_P",
+    "BLOCK_L",
+    "BLOCK_T",
+    "BLOCK_R",
+    "BLOCK_LC",
+    "ROPE_ROWS",
+    "CACHE_ROWS",
+    "num_warps",
+    "num_stages",
+    "programs_per_sm",
+)
 _overrides: dict[str, Any] = {}
 
 # (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm, ROPE_ROWS, CACHE_ROWS): the best of
@@ -71,28 +81,67 @@ def batch_bucket(D: int) -> str:
 
 
 @functools.cache
-def _base_config(H: int, P: int, R: int, L: int, backend: str, small: bool,
-                 large: bool = False, w_format: str = "plain") -> dict:
-    common = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
-                  BLOCK_LC=min(512, triton.next_power_of_2(L)))
+def _base_config(
+    H: int,
+    P: int,
+    R: int,
+    L: int,
+    backend: str,
+    small: bool,
+    large: bool = False,
+    w_format: str = "plain",
+) -> dict:
+    common = dict(
+        BLOCK_P=triton.next_power_of_2(P),
+        BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_LC=min(512, triton.next_power_of_2(L)),
+    )
     lmax = triton.next_power_of_2(L)
     if backend == "interpreter":
         half = max(16, lmax // 2)
-        return dict(common, BLOCK_L=half, BLOCK_T=16, BLOCK_LC=half, ROPE_ROWS=16,
-                    CACHE_ROWS=2, num_warps=1, num_stages=1, programs_per_sm=3.0)
+        return dict(
+            common,
+            BLOCK_L=half,
+            BLOCK_T=16,
+            BLOCK_LC=half,
+            ROPE_ROWS=16,
+            CACHE_ROWS=2,
+            num_warps=1,
+            num_stages=1,
+            programs_per_sm=3.0,
+        )
     bucket = "small" if small else "large" if large else "medium"
     key = (H <= 32, bucket)
     # a format without tiles of its own takes its weights' format's (fp8xfp8 -> fp8), then any
-    tiles = (_CUDA_TILES.get((*key, w_format))
-             or _CUDA_TILES.get((*key, _WEIGHTS_OF.get(w_format, w_format)))
-             or _CUDA_TILES[(*key, None)])
+    tiles = (
+        _CUDA_TILES.get((*key, w_format))
+        or _CUDA_TILES.get((*key, _WEIGHTS_OF.get(w_format, w_format)))
+        or _CUDA_TILES[(*key, None)]
+    )
     bl, bt, nw, ns, pps, rr, cr = tiles
-    return dict(common, BLOCK_L=min(bl, lmax), BLOCK_T=bt, num_warps=nw, num_stages=ns,
-                programs_per_sm=pps, ROPE_ROWS=rr, CACHE_ROWS=cr)
+    return dict(
+        common,
+        BLOCK_L=min(bl, lmax),
+        BLOCK_T=bt,
+        num_warps=nw,
+        num_stages=ns,
+        programs_per_sm=pps,
+        ROPE_ROWS=rr,
+        CACHE_ROWS=cr,
+    )
 
 
-def launch_config(H: int, P: int, R: int, L: int, backend: str, small: bool = False, *,
-                  large: bool = False, w_format: str = "plain") -> dict:
+def launch_config(
+    H: int,
+    P: int,
+    R: int,
+    L: int,
+    backend: str,
+    small: bool = False,
+    *,
+    large: bool = False,
+    w_format: str = "plain",
+) -> dict:
     """Tile sizes for one model shape on one backend ("cuda", "rocm" or "interpreter").
 
     ``small`` / ``large``: the decode batch's bucket (:func:`batch_bucket`; neither: medium),

@@ -51,6 +51,7 @@ def split_halves(N: int, D: int, fused_decode: bool, fused_prefill: bool) -> Hal
     if fused_decode == fused_prefill:
         spans = (Span(0, N, D, fused_decode),) if N > 0 else ()
     else:
-        spans = tuple(s for s in (Span(0, D, D, fused_decode), Span(D, N, 0, fused_prefill))
-                      if len(s) > 0)
+        spans = tuple(
+            s for s in (Span(0, D, D, fused_decode), Span(D, N, 0, fused_prefill)) if len(s) > 0
+        )
     return HalfSplit(spans, decode_fused=fused_decode, prefill_fused=fused_prefill)

@@ -56,12 +56,34 @@ def _scale(p_scale, scale_value, FROM_PTR: tl.constexpr):
 
 @triton.jit
 def _rope_q_program(
-    j, tok0, n_tok, max_pos,
-    p_qp, s_qp_t, s_qp_h, p_pos, s_pos, p_cos, s_cos, p_sin, s_sin,
-    p_o, s_o_t, s_o_h, o_col0, p_os, os_value,
-    H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, ROPE_ROWS: tl.constexpr,
-    IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, O_FP8: tl.constexpr,
-    OS_FROM_PTR: tl.constexpr, FIX_BF16: tl.constexpr,
+    j,
+    tok0,
+    n_tok,
+    max_pos,
+    p_qp,
+    s_qp_t,
+    s_qp_h,
+    p_pos,
+    s_pos,
+    p_cos,
+    s_cos,
+    p_sin,
+    s_sin,
+    p_o,
+    s_o_t,
+    s_o_h,
+    o_col0,
+    p_os,
+    os_value,
+    H: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROPE_ROWS: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    O_FP8: tl.constexpr,
+    OS_FROM_PTR: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     """out[i, h, o_col0:o_col0+R] = rope(q_pe[tok0 + i, h]) for ROPE_ROWS (token, head) rows
     ``i * H + h`` of the ``n_tok`` tokens starting at ``tok0``."""
@@ -70,26 +92,46 @@ def _rope_q_program(
     o_i = o_row // H  # token index within the range (the output's row)
     o_t = tok0 + o_i  # token index in the batch (the inputs' row)
     o_h = o_row % H
-    x_a, x_b = load_rope_halves(p_qp + o_t * s_qp_t + o_h * s_qp_h, m_row, R // 2,
-                                BLOCK_R // 2, IS_NEOX)
+    x_a, x_b = load_rope_halves(
+        p_qp + o_t * s_qp_t + o_h * s_qp_h, m_row, R // 2, BLOCK_R // 2, IS_NEOX
+    )
     if APPLY_ROPE:
         pos = tl.load(p_pos + o_t * s_pos, mask=m_row, other=0).to(tl.int64)
         pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        x_a, x_b = rotate_halves(x_a, x_b, pos, m_row, p_cos, s_cos, p_sin, s_sin, R // 2,
-                                 BLOCK_R // 2)
+        x_a, x_b = rotate_halves(
+            x_a, x_b, pos, m_row, p_cos, s_cos, p_sin, s_sin, R // 2, BLOCK_R // 2
+        )
     scale = _scale(p_os, os_value, OS_FROM_PTR)
     ty = p_o.dtype.element_ty
-    store_rope_halves(p_o + o_i * s_o_t + o_h * s_o_h + o_col0,
-                      cast_rne(quantize_value(x_a, scale, O_FP8), ty, FIX_BF16),
-                      cast_rne(quantize_value(x_b, scale, O_FP8), ty, FIX_BF16),
-                      m_row, R // 2, BLOCK_R // 2, IS_NEOX)
+    store_rope_halves(
+        p_o + o_i * s_o_t + o_h * s_o_h + o_col0,
+        cast_rne(quantize_value(x_a, scale, O_FP8), ty, FIX_BF16),
+        cast_rne(quantize_value(x_b, scale, O_FP8), ty, FIX_BF16),
+        m_row,
+        R // 2,
+        BLOCK_R // 2,
+        IS_NEOX,
+    )
 
 
 @triton.jit
 def _bmm_weights(
-    i_h, i_l, p_w, s_w_h, s_w_p, s_w_l, p_ws, s_ws_h, s_ws_p,
-    P: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
-    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, DOT_TY: tl.constexpr,
+    i_h,
+    i_l,
+    p_w,
+    s_w_h,
+    s_w_p,
+    s_w_l,
+    p_ws,
+    s_ws_h,
+    s_ws_p,
+    P: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    W_FMT: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    DOT_TY: tl.constexpr,
 ):
     """Head ``i_h``'s weights for L-tile ``i_l``, ready for tl.dot: ``(b_w, b_w2, w_scale)``.
 
@@ -117,17 +159,25 @@ def _bmm_weights(
         else:
             m_w = (o_p2 < P // 2)[:, None] & m_l[None, :]
             b_byte = tl.load(
-                p_w + h64 * s_w_h + o_p2[:, None] * s_w_p + o_l[None, :] * s_w_l,
-                mask=m_w, other=0).to(tl.int32)
+                p_w + h64 * s_w_h + o_p2[:, None] * s_w_p + o_l[None, :] * s_w_l, mask=m_w, other=0
+            ).to(tl.int32)
             # rows 2i and 2i+1 share scale block (2i) // 32 = i // 16 (scale bytes: L1 hits)
-            b_sc = e8m0_to_f32(tl.load(p_ws + h64 * s_ws_h + (o_p2 // 16)[:, None] * s_ws_p
-                                       + o_l[None, :], mask=m_w, other=0))
+            b_sc = e8m0_to_f32(
+                tl.load(
+                    p_ws + h64 * s_ws_h + (o_p2 // 16)[:, None] * s_ws_p + o_l[None, :],
+                    mask=m_w,
+                    other=0,
+                )
+            )
             b_w = (e2m1_to_f32(b_byte & 0xF) * b_sc).to(DOT_TY)  # exact in bf16/fp16
             b_w2 = (e2m1_to_f32(b_byte >> 4) * b_sc).to(DOT_TY)
     else:
         o_p = tl.arange(0, BLOCK_P)
-        b_w = tl.load(p_w + h64 * s_w_h + o_p[:, None] * s_w_p + o_l[None, :] * s_w_l,
-                      mask=(o_p < P)[:, None] & m_l[None, :], other=0.0).to(DOT_TY)
+        b_w = tl.load(
+            p_w + h64 * s_w_h + o_p[:, None] * s_w_p + o_l[None, :] * s_w_l,
+            mask=(o_p < P)[:, None] & m_l[None, :],
+            other=0.0,
+        ).to(DOT_TY)
         if W_FMT == 1:
             w_scale = tl.load(p_ws + h64 * s_ws_h).to(tl.float32)
         b_w2 = b_w
@@ -136,12 +186,32 @@ def _bmm_weights(
 
 @triton.jit
 def _bmm_tile(
-    i_h, i_l, i_t, b_w, b_w2, w_scale, q_scale, D,
-    p_qn, s_qn_t, s_qn_h, p_q, s_q_t, s_q_h,
-    P: tl.constexpr, L: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, Q_FP8: tl.constexpr, A_FMT: tl.constexpr,
-    A_QUANT: tl.constexpr, DOT_TY: tl.constexpr, FIX_BF16: tl.constexpr,
+    i_h,
+    i_l,
+    i_t,
+    b_w,
+    b_w2,
+    w_scale,
+    q_scale,
+    D,
+    p_qn,
+    s_qn_t,
+    s_qn_h,
+    p_q,
+    s_q_t,
+    s_q_h,
+    P: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    W_FMT: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    A_FMT: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_TY: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     """q[t, i_h, l-tile] = q_nope[t, i_h] @ W for the BLOCK_T tokens of token tile ``i_t``
     (rows >= D masked), weights from :func:`_bmm_weights`.
@@ -183,21 +253,46 @@ def _bmm_tile(
         b_o = b_o * w_scale
     b_o = quantize_value(b_o, q_scale, Q_FP8)
     p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
-    tl.store(p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16),
-             mask=m_t[:, None] & (o_l < L)[None, :])
+    tl.store(
+        p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16), mask=m_t[:, None] & (o_l < L)[None, :]
+    )
 
 
 @triton.jit
 def _bmm_program(
-    pid, n_bmm, D,
-    p_qn, s_qn_t, s_qn_h,
-    p_w, s_w_h, s_w_p, s_w_l, p_ws, s_ws_h, s_ws_p,
-    p_q, s_q_t, s_q_h, p_qs, q_scale_value,
-    P: tl.constexpr, L: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr,
-    Q_FP8: tl.constexpr, Q_SCALE_PTR: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
-    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr, H: tl.constexpr,
+    pid,
+    n_bmm,
+    D,
+    p_qn,
+    s_qn_t,
+    s_qn_h,
+    p_w,
+    s_w_h,
+    s_w_p,
+    s_w_l,
+    p_ws,
+    s_ws_h,
+    s_ws_p,
+    p_q,
+    s_q_t,
+    s_q_h,
+    p_qs,
+    q_scale_value,
+    P: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    W_FMT: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    Q_SCALE_PTR: tl.constexpr,
+    A_FMT: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    H: tl.constexpr,
 ):
     """BMM program ``pid`` of ``n_bmm``: work items ``pid, pid + n_bmm, ...`` of the
     ``H * cdiv(L, BLOCK_L) * cdiv(D, BLOCK_T)`` (head, L-tile, token-tile) items, token tile
@@ -224,44 +319,145 @@ def _bmm_program(
     i_h = pid // n_t // NL
     i_l = pid // n_t % NL
     b_w, b_w2, w_scale = _bmm_weights(
-        i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws,
-        s_ws_h=s_ws_h, s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
-        MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY)
+        i_h=i_h,
+        i_l=i_l,
+        p_w=p_w,
+        s_w_h=s_w_h,
+        s_w_p=s_w_p,
+        s_w_l=s_w_l,
+        p_ws=p_ws,
+        s_ws_h=s_ws_h,
+        s_ws_p=s_ws_p,
+        P=P,
+        L=L,
+        BLOCK_P=BLOCK_P,
+        BLOCK_L=BLOCK_L,
+        W_FMT=W_FMT,
+        MX_NATIVE=MX_NATIVE,
+        DOT_TY=DOT_TY,
+    )
     if USE_PDL:
         # weights are never written by the kernel before us: they were loaded while it ran;
         # everything else (activations, scales, outputs) only after it has completed
         gdc_wait()
     q_scale = _scale(p_qs, q_scale_value, Q_SCALE_PTR)
     _bmm_tile(
-        i_h=i_h, i_l=i_l, i_t=i_t, b_w=b_w, b_w2=b_w2, w_scale=w_scale, q_scale=q_scale, D=D,
-        p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h, P=P, L=L,
-        BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT, MX_NATIVE=MX_NATIVE,
-        Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY, FIX_BF16=FIX_BF16)
+        i_h=i_h,
+        i_l=i_l,
+        i_t=i_t,
+        b_w=b_w,
+        b_w2=b_w2,
+        w_scale=w_scale,
+        q_scale=q_scale,
+        D=D,
+        p_qn=p_qn,
+        s_qn_t=s_qn_t,
+        s_qn_h=s_qn_h,
+        p_q=p_q,
+        s_q_t=s_q_t,
+        s_q_h=s_q_h,
+        P=P,
+        L=L,
+        BLOCK_P=BLOCK_P,
+        BLOCK_L=BLOCK_L,
+        BLOCK_T=BLOCK_T,
+        W_FMT=W_FMT,
+        MX_NATIVE=MX_NATIVE,
+        Q_FP8=Q_FP8,
+        A_FMT=A_FMT,
+        A_QUANT=A_QUANT,
+        DOT_TY=DOT_TY,
+        FIX_BF16=FIX_BF16,
+    )
     for item in range(pid + n_bmm, n_items, n_bmm):
         i_t = item % n_t
         i_h = item // n_t // NL
         i_l = item // n_t % NL
         b_w, b_w2, w_scale = _bmm_weights(
-            i_h=i_h, i_l=i_l, p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l, p_ws=p_ws,
-            s_ws_h=s_ws_h, s_ws_p=s_ws_p, P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, W_FMT=W_FMT,
-            MX_NATIVE=MX_NATIVE, DOT_TY=DOT_TY)
+            i_h=i_h,
+            i_l=i_l,
+            p_w=p_w,
+            s_w_h=s_w_h,
+            s_w_p=s_w_p,
+            s_w_l=s_w_l,
+            p_ws=p_ws,
+            s_ws_h=s_ws_h,
+            s_ws_p=s_ws_p,
+            P=P,
+            L=L,
+            BLOCK_P=BLOCK_P,
+            BLOCK_L=BLOCK_L,
+            W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE,
+            DOT_TY=DOT_TY,
+        )
         _bmm_tile(
-            i_h=i_h, i_l=i_l, i_t=i_t, b_w=b_w, b_w2=b_w2, w_scale=w_scale, q_scale=q_scale,
-            D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h, p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h,
-            P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
-            MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, A_FMT=A_FMT, A_QUANT=A_QUANT, DOT_TY=DOT_TY,
-            FIX_BF16=FIX_BF16)
+            i_h=i_h,
+            i_l=i_l,
+            i_t=i_t,
+            b_w=b_w,
+            b_w2=b_w2,
+            w_scale=w_scale,
+            q_scale=q_scale,
+            D=D,
+            p_qn=p_qn,
+            s_qn_t=s_qn_t,
+            s_qn_h=s_qn_h,
+            p_q=p_q,
+            s_q_t=s_q_t,
+            s_q_h=s_q_h,
+            P=P,
+            L=L,
+            BLOCK_P=BLOCK_P,
+            BLOCK_L=BLOCK_L,
+            BLOCK_T=BLOCK_T,
+            W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE,
+            Q_FP8=Q_FP8,
+            A_FMT=A_FMT,
+            A_QUANT=A_QUANT,
+            DOT_TY=DOT_TY,
+            FIX_BF16=FIX_BF16,
+        )
 
 
 @triton.jit
 def _cache_program(
-    j, N, D, max_pos, num_slots, block_size,
-    p_kvc, s_kvc_t, p_kpe, s_kpe_t, p_pos, s_pos,
-    p_cos, s_cos, p_sin, s_sin, p_slot, s_slot,
-    p_kvs, kv_scale_value, p_cache, s_cache_b, s_cache_s, p_kpo, s_kpo_t,
-    R: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr,
-    CACHE_ROWS: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr,
-    KV_FP8: tl.constexpr, KV_SCALE_PTR: tl.constexpr, FIX_BF16: tl.constexpr,
+    j,
+    N,
+    D,
+    max_pos,
+    num_slots,
+    block_size,
+    p_kvc,
+    s_kvc_t,
+    p_kpe,
+    s_kpe_t,
+    p_pos,
+    s_pos,
+    p_cos,
+    s_cos,
+    p_sin,
+    s_sin,
+    p_slot,
+    s_slot,
+    p_kvs,
+    kv_scale_value,
+    p_cache,
+    s_cache_b,
+    s_cache_s,
+    p_kpo,
+    s_kpo_t,
+    R: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_LC: tl.constexpr,
+    CACHE_ROWS: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_SCALE_PTR: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     """kv_cache[slot[t]] = [kv_c[t], rope(k_pe[t])] for the CACHE_ROWS tokens
     ``t = j * CACHE_ROWS + i`` (nothing for a skipped slot); a prefill token (t >= D) also gets
@@ -282,58 +478,138 @@ def _cache_program(
     if APPLY_ROPE:
         pos = tl.load(p_pos + o_t * s_pos, mask=m_t, other=0).to(tl.int64)
         pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        k_a, k_b = rotate_halves(k_a, k_b, pos, m_t, p_cos, s_cos, p_sin, s_sin, R // 2,
-                                 BLOCK_R // 2)
+        k_a, k_b = rotate_halves(
+            k_a, k_b, pos, m_t, p_cos, s_cos, p_sin, s_sin, R // 2, BLOCK_R // 2
+        )
 
     cache_ty = p_cache.dtype.element_ty
     p_row = p_cache + (slot // block_size) * s_cache_b + (slot % block_size) * s_cache_s
     for l0 in range(0, L, BLOCK_LC):
         o_c = l0 + tl.arange(0, BLOCK_LC)
         m_c = m_t[:, None] & (o_c < L)[None, :]
-        b_c = tl.load(p_kvc + o_t[:, None] * s_kvc_t + o_c[None, :], mask=m_c,
-                      other=0.0).to(tl.float32)
+        b_c = tl.load(p_kvc + o_t[:, None] * s_kvc_t + o_c[None, :], mask=m_c, other=0.0).to(
+            tl.float32
+        )
         b_c = quantize_value(b_c, scale, KV_FP8)
-        tl.store(p_row[:, None] + o_c[None, :], cast_rne(b_c, cache_ty, FIX_BF16),
-                 mask=valid[:, None] & (o_c < L)[None, :])
+        tl.store(
+            p_row[:, None] + o_c[None, :],
+            cast_rne(b_c, cache_ty, FIX_BF16),
+            mask=valid[:, None] & (o_c < L)[None, :],
+        )
     # prefill tokens: the rotated k_pe for the prefill attention (decode tokens store nothing)
     kpo_ty = p_kpo.dtype.element_ty
-    store_rope_halves(p_kpo + (o_t - D) * s_kpo_t, cast_rne(k_a, kpo_ty, FIX_BF16),
-                      cast_rne(k_b, kpo_ty, FIX_BF16), m_t & (o_t >= D), R // 2, BLOCK_R // 2,
-                      IS_NEOX)
-    store_rope_halves(p_row + L, cast_rne(quantize_value(k_a, scale, KV_FP8), cache_ty, FIX_BF16),
-                      cast_rne(quantize_value(k_b, scale, KV_FP8), cache_ty, FIX_BF16), valid,
-                      R // 2, BLOCK_R // 2, IS_NEOX)
+    store_rope_halves(
+        p_kpo + (o_t - D) * s_kpo_t,
+        cast_rne(k_a, kpo_ty, FIX_BF16),
+        cast_rne(k_b, kpo_ty, FIX_BF16),
+        m_t & (o_t >= D),
+        R // 2,
+        BLOCK_R // 2,
+        IS_NEOX,
+    )
+    store_rope_halves(
+        p_row + L,
+        cast_rne(quantize_value(k_a, scale, KV_FP8), cache_ty, FIX_BF16),
+        cast_rne(quantize_value(k_b, scale, KV_FP8), cache_ty, FIX_BF16),
+        valid,
+        R // 2,
+        BLOCK_R // 2,
+        IS_NEOX,
+    )
 
 
-@triton.heuristics({
-    "KV_SCALE_PTR": lambda a: a["p_kv_scale"] is not None,
-    "Q_SCALE_PTR": lambda a: a["p_q_scale"] is not None,
-})
-@triton.jit(do_not_specialize=["N", "D", "n_bmm", "n_rope_d", "n_rope_p", "num_slots",
-                               "max_pos", "kv_scale_value", "q_scale_value"])
+@triton.heuristics(
+    {
+        "KV_SCALE_PTR": lambda a: a["p_kv_scale"] is not None,
+        "Q_SCALE_PTR": lambda a: a["p_q_scale"] is not None,
+    }
+)
+@triton.jit(
+    do_not_specialize=[
+        "N",
+        "D",
+        "n_bmm",
+        "n_rope_d",
+        "n_rope_p",
+        "num_slots",
+        "max_pos",
+        "kv_scale_value",
+        "q_scale_value",
+    ]
+)
 def mla_prologue_kernel(
-    p_qn, s_qn_t, s_qn_h,
-    p_qp, s_qp_t, s_qp_h,
-    p_kvc, s_kvc_t,
-    p_kpe, s_kpe_t,
-    p_w, s_w_h, s_w_p, s_w_l, p_ws, s_ws_h, s_ws_p,
-    p_pos, s_pos,
-    p_cos, s_cos, p_sin, s_sin,
-    p_slot, s_slot,
-    p_kv_scale, kv_scale_value,
-    p_q, s_q_t, s_q_h, p_q_scale, q_scale_value,
-    p_qpo, s_qpo_t, s_qpo_h,
-    p_kpo, s_kpo_t,
-    p_cache, s_cache_b, s_cache_s,
-    N, D, n_bmm, n_rope_d, n_rope_p, max_pos, num_slots, block_size,
-    H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_LC: tl.constexpr, ROPE_ROWS: tl.constexpr,
+    p_qn,
+    s_qn_t,
+    s_qn_h,
+    p_qp,
+    s_qp_t,
+    s_qp_h,
+    p_kvc,
+    s_kvc_t,
+    p_kpe,
+    s_kpe_t,
+    p_w,
+    s_w_h,
+    s_w_p,
+    s_w_l,
+    p_ws,
+    s_ws_h,
+    s_ws_p,
+    p_pos,
+    s_pos,
+    p_cos,
+    s_cos,
+    p_sin,
+    s_sin,
+    p_slot,
+    s_slot,
+    p_kv_scale,
+    kv_scale_value,
+    p_q,
+    s_q_t,
+    s_q_h,
+    p_q_scale,
+    q_scale_value,
+    p_qpo,
+    s_qpo_t,
+    s_qpo_h,
+    p_kpo,
+    s_kpo_t,
+    p_cache,
+    s_cache_b,
+    s_cache_s,
+    N,
+    D,
+    n_bmm,
+    n_rope_d,
+    n_rope_p,
+    max_pos,
+    num_slots,
+    block_size,
+    H: tl.constexpr,
+    P: tl.constexpr,
+    R: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_LC: tl.constexpr,
+    ROPE_ROWS: tl.constexpr,
     CACHE_ROWS: tl.constexpr,
-    IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
-    W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, A_FMT: tl.constexpr, A_QUANT: tl.constexpr,
-    DOT_FP32: tl.constexpr, FIX_BF16: tl.constexpr, USE_PDL: tl.constexpr,
-    KV_SCALE_PTR: tl.constexpr, Q_SCALE_PTR: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    W_FMT: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    A_FMT: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    KV_SCALE_PTR: tl.constexpr,
+    Q_SCALE_PTR: tl.constexpr,
 ):
     """Programs in order: n_bmm BMM programs (decode tokens; persistent when there are more
     work items than programs), n_rope_d decode q-RoPE row tiles, n_rope_p prefill q-RoPE row
@@ -351,44 +627,139 @@ def mla_prologue_kernel(
             gdc_wait()
     if pid < n_bmm:
         _bmm_program(
-            pid=pid, n_bmm=n_bmm, D=D, p_qn=p_qn, s_qn_t=s_qn_t, s_qn_h=s_qn_h,
-            p_w=p_w, s_w_h=s_w_h, s_w_p=s_w_p, s_w_l=s_w_l,
-            p_ws=p_ws, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
-            p_q=p_q, s_q_t=s_q_t, s_q_h=s_q_h, p_qs=p_q_scale, q_scale_value=q_scale_value,
-            P=P, L=L, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, W_FMT=W_FMT,
-            MX_NATIVE=MX_NATIVE, Q_FP8=Q_FP8, Q_SCALE_PTR=Q_SCALE_PTR, A_FMT=A_FMT,
-            A_QUANT=A_QUANT, DOT_FP32=DOT_FP32, FIX_BF16=FIX_BF16, USE_PDL=USE_PDL, H=H,
+            pid=pid,
+            n_bmm=n_bmm,
+            D=D,
+            p_qn=p_qn,
+            s_qn_t=s_qn_t,
+            s_qn_h=s_qn_h,
+            p_w=p_w,
+            s_w_h=s_w_h,
+            s_w_p=s_w_p,
+            s_w_l=s_w_l,
+            p_ws=p_ws,
+            s_ws_h=s_ws_h,
+            s_ws_p=s_ws_p,
+            p_q=p_q,
+            s_q_t=s_q_t,
+            s_q_h=s_q_h,
+            p_qs=p_q_scale,
+            q_scale_value=q_scale_value,
+            P=P,
+            L=L,
+            BLOCK_P=BLOCK_P,
+            BLOCK_L=BLOCK_L,
+            BLOCK_T=BLOCK_T,
+            W_FMT=W_FMT,
+            MX_NATIVE=MX_NATIVE,
+            Q_FP8=Q_FP8,
+            Q_SCALE_PTR=Q_SCALE_PTR,
+            A_FMT=A_FMT,
+            A_QUANT=A_QUANT,
+            DOT_FP32=DOT_FP32,
+            FIX_BF16=FIX_BF16,
+            USE_PDL=USE_PDL,
+            H=H,
         )
     elif pid < n_bmm + n_rope_d:
         # decode tokens [0, D): rotated q_pe into the query's last R columns
         _rope_q_program(
-            j=pid - n_bmm, tok0=0, n_tok=D, max_pos=max_pos,
-            p_qp=p_qp, s_qp_t=s_qp_t, s_qp_h=s_qp_h, p_pos=p_pos, s_pos=s_pos,
-            p_cos=p_cos, s_cos=s_cos, p_sin=p_sin, s_sin=s_sin,
-            p_o=p_q, s_o_t=s_q_t, s_o_h=s_q_h, o_col0=L, p_os=p_q_scale, os_value=q_scale_value,
-            H=H, R=R, BLOCK_R=BLOCK_R, ROPE_ROWS=ROPE_ROWS, IS_NEOX=IS_NEOX,
-            APPLY_ROPE=APPLY_ROPE, O_FP8=Q_FP8, OS_FROM_PTR=Q_SCALE_PTR, FIX_BF16=FIX_BF16,
+            j=pid - n_bmm,
+            tok0=0,
+            n_tok=D,
+            max_pos=max_pos,
+            p_qp=p_qp,
+            s_qp_t=s_qp_t,
+            s_qp_h=s_qp_h,
+            p_pos=p_pos,
+            s_pos=s_pos,
+            p_cos=p_cos,
+            s_cos=s_cos,
+            p_sin=p_sin,
+            s_sin=s_sin,
+            p_o=p_q,
+            s_o_t=s_q_t,
+            s_o_h=s_q_h,
+            o_col0=L,
+            p_os=p_q_scale,
+            os_value=q_scale_value,
+            H=H,
+            R=R,
+            BLOCK_R=BLOCK_R,
+            ROPE_ROWS=ROPE_ROWS,
+            IS_NEOX=IS_NEOX,
+            APPLY_ROPE=APPLY_ROPE,
+            O_FP8=Q_FP8,
+            OS_FROM_PTR=Q_SCALE_PTR,
+            FIX_BF16=FIX_BF16,
         )
     elif pid < n_bmm + n_rope_d + n_rope_p:
         # prefill tokens [D, N): rotated q_pe into q_pe_out, unquantized
         _rope_q_program(
-            j=pid - n_bmm - n_rope_d, tok0=D, n_tok=N - D, max_pos=max_pos,
-            p_qp=p_qp, s_qp_t=s_qp_t, s_qp_h=s_qp_h, p_pos=p_pos, s_pos=s_pos,
-            p_cos=p_cos, s_cos=s_cos, p_sin=p_sin, s_sin=s_sin,
-            p_o=p_qpo, s_o_t=s_qpo_t, s_o_h=s_qpo_h, o_col0=0, p_os=p_q_scale,
+            j=pid - n_bmm - n_rope_d,
+            tok0=D,
+            n_tok=N - D,
+            max_pos=max_pos,
+            p_qp=p_qp,
+            s_qp_t=s_qp_t,
+            s_qp_h=s_qp_h,
+            p_pos=p_pos,
+            s_pos=s_pos,
+            p_cos=p_cos,
+            s_cos=s_cos,
+            p_sin=p_sin,
+            s_sin=s_sin,
+            p_o=p_qpo,
+            s_o_t=s_qpo_t,
+            s_o_h=s_qpo_h,
+            o_col0=0,
+            p_os=p_q_scale,
             os_value=q_scale_value,
-            H=H, R=R, BLOCK_R=BLOCK_R, ROPE_ROWS=ROPE_ROWS, IS_NEOX=IS_NEOX,
-            APPLY_ROPE=APPLY_ROPE, O_FP8=0, OS_FROM_PTR=False, FIX_BF16=FIX_BF16,
+            H=H,
+            R=R,
+            BLOCK_R=BLOCK_R,
+            ROPE_ROWS=ROPE_ROWS,
+            IS_NEOX=IS_NEOX,
+            APPLY_ROPE=APPLY_ROPE,
+            O_FP8=0,
+            OS_FROM_PTR=False,
+            FIX_BF16=FIX_BF16,
         )
     else:
         _cache_program(
-            j=pid - n_bmm - n_rope_d - n_rope_p, N=N, D=D, max_pos=max_pos,
-            num_slots=num_slots, block_size=block_size,
-            p_kvc=p_kvc, s_kvc_t=s_kvc_t, p_kpe=p_kpe, s_kpe_t=s_kpe_t, p_pos=p_pos, s_pos=s_pos,
-            p_cos=p_cos, s_cos=s_cos, p_sin=p_sin, s_sin=s_sin, p_slot=p_slot, s_slot=s_slot,
-            p_kvs=p_kv_scale, kv_scale_value=kv_scale_value, p_cache=p_cache,
-            s_cache_b=s_cache_b, s_cache_s=s_cache_s, p_kpo=p_kpo, s_kpo_t=s_kpo_t,
-            R=R, L=L, BLOCK_R=BLOCK_R, BLOCK_LC=BLOCK_LC, CACHE_ROWS=CACHE_ROWS,
-            IS_NEOX=IS_NEOX, APPLY_ROPE=APPLY_ROPE, KV_FP8=KV_FP8, KV_SCALE_PTR=KV_SCALE_PTR,
+            j=pid - n_bmm - n_rope_d - n_rope_p,
+            N=N,
+            D=D,
+            max_pos=max_pos,
+            num_slots=num_slots,
+            block_size=block_size,
+            p_kvc=p_kvc,
+            s_kvc_t=s_kvc_t,
+            p_kpe=p_kpe,
+            s_kpe_t=s_kpe_t,
+            p_pos=p_pos,
+            s_pos=s_pos,
+            p_cos=p_cos,
+            s_cos=s_cos,
+            p_sin=p_sin,
+            s_sin=s_sin,
+            p_slot=p_slot,
+            s_slot=s_slot,
+            p_kvs=p_kv_scale,
+            kv_scale_value=kv_scale_value,
+            p_cache=p_cache,
+            s_cache_b=s_cache_b,
+            s_cache_s=s_cache_s,
+            p_kpo=p_kpo,
+            s_kpo_t=s_kpo_t,
+            R=R,
+            L=L,
+            BLOCK_R=BLOCK_R,
+            BLOCK_LC=BLOCK_LC,
+            CACHE_ROWS=CACHE_ROWS,
+            IS_NEOX=IS_NEOX,
+            APPLY_ROPE=APPLY_ROPE,
+            KV_FP8=KV_FP8,
+            KV_SCALE_PTR=KV_SCALE_PTR,
             FIX_BF16=FIX_BF16,
         )

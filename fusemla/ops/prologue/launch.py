@@ -45,13 +45,18 @@ def tile_format(args: PrologueArgs) -> str:
     return "fp8xfp8" if args.act_quant == "fp8" else fmt
 
 
-def variant_for(args: PrologueArgs, cfg: dict,
-                info: platform.PlatformInfo | None = None) -> platform.PrologueVariant:
+def variant_for(
+    args: PrologueArgs, cfg: dict, info: platform.PlatformInfo | None = None
+) -> platform.PrologueVariant:
     """The kernel variant these arguments run (the single decision in
     :func:`fusemla.platform.choose_prologue_variant`)."""
     return platform.choose_prologue_variant(
-        info or platform.detect(args.q_nope.device), weight_format=weight_format(args.w_uk_t),
-        P=args.P, L=args.L, block_l=cfg["BLOCK_L"])
+        info or platform.detect(args.q_nope.device),
+        weight_format=weight_format(args.w_uk_t),
+        P=args.P,
+        L=args.L,
+        block_l=cfg["BLOCK_L"],
+    )
 
 
 def _check_formats(args: PrologueArgs, backend: str) -> None:
@@ -64,7 +69,8 @@ def _check_formats(args: PrologueArgs, backend: str) -> None:
         if t.dtype == torch.float8_e4m3fnuz:
             raise FuseMLATypeError(
                 f"{name}: float8_e4m3fnuz is the MI300 (gfx940-942) format; Triton on NVIDIA "
-                f"GPUs cannot store it: use torch.float8_e4m3fn, got {describe(t)}")
+                f"GPUs cannot store it: use torch.float8_e4m3fn, got {describe(t)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,16 +97,27 @@ def plan(args: PrologueArgs, backend: str, cfg: dict | None = None) -> LaunchPla
     N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
     if cfg is None:
         bucket = configs.batch_bucket(D)
-        cfg = configs.launch_config(H, P, R, L, backend, bucket == "small",
-                                    large=bucket == "large", w_format=tile_format(args))
+        cfg = configs.launch_config(
+            H,
+            P,
+            R,
+            L,
+            backend,
+            bucket == "small",
+            large=bucket == "large",
+            w_format=tile_format(args),
+        )
     num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
-    return LaunchPlan(cfg=cfg, bmm_items=configs.bmm_items(D, H, L, cfg),
-                      n_bmm=configs.bmm_programs(D, H, L, cfg, num_sms),
-                      l_tiles=triton.cdiv(L, cfg["BLOCK_L"]),
-                      lc_passes=triton.cdiv(L, cfg["BLOCK_LC"]),
-                      n_rope_d=triton.cdiv(D * H, cfg["ROPE_ROWS"]),
-                      n_rope_p=triton.cdiv((N - D) * H, cfg["ROPE_ROWS"]),
-                      n_cache=triton.cdiv(N, cfg["CACHE_ROWS"]))
+    return LaunchPlan(
+        cfg=cfg,
+        bmm_items=configs.bmm_items(D, H, L, cfg),
+        n_bmm=configs.bmm_programs(D, H, L, cfg, num_sms),
+        l_tiles=triton.cdiv(L, cfg["BLOCK_L"]),
+        lc_passes=triton.cdiv(L, cfg["BLOCK_LC"]),
+        n_rope_d=triton.cdiv(D * H, cfg["ROPE_ROWS"]),
+        n_rope_p=triton.cdiv((N - D) * H, cfg["ROPE_ROWS"]),
+        n_cache=triton.cdiv(N, cfg["CACHE_ROWS"]),
+    )
 
 
 def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
@@ -130,36 +147,79 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
     mla_prologue_kernel[pl.grid](
-        p_qn=qn, s_qn_t=qn.stride(0), s_qn_h=qn.stride(1),
-        p_qp=qp, s_qp_t=qp.stride(0), s_qp_h=qp.stride(1),
-        p_kvc=kvc, s_kvc_t=kvc.stride(0),
-        p_kpe=kpe, s_kpe_t=kpe.stride(0),
-        p_w=w_data, s_w_h=w_data.stride(0), s_w_p=w_data.stride(1), s_w_l=w_data.stride(2),
-        p_ws=w_scale, s_ws_h=s_ws_h, s_ws_p=s_ws_p,
-        p_pos=args.positions, s_pos=args.positions.stride(0),
-        p_cos=args.cos_cache, s_cos=args.cos_cache.stride(0),
-        p_sin=args.sin_cache, s_sin=args.sin_cache.stride(0),
-        p_slot=args.slot_mapping, s_slot=args.slot_mapping.stride(0),
-        p_kv_scale=p_kv_scale, kv_scale_value=kv_scale_value,
-        p_q=q, s_q_t=q.stride(0), s_q_h=q.stride(1),
-        p_q_scale=p_q_scale, q_scale_value=q_scale_value,
-        p_qpo=qpo, s_qpo_t=qpo.stride(0), s_qpo_h=qpo.stride(1),
-        p_kpo=kpo, s_kpo_t=kpo.stride(0),
-        p_cache=cache, s_cache_b=cache.stride(0), s_cache_s=cache.stride(1),
-        N=N, D=D, n_bmm=pl.n_bmm, n_rope_d=pl.n_rope_d, n_rope_p=pl.n_rope_p,
-        max_pos=args.cos_cache.shape[0], num_slots=cache.shape[0] * cache.shape[1],
+        p_qn=qn,
+        s_qn_t=qn.stride(0),
+        s_qn_h=qn.stride(1),
+        p_qp=qp,
+        s_qp_t=qp.stride(0),
+        s_qp_h=qp.stride(1),
+        p_kvc=kvc,
+        s_kvc_t=kvc.stride(0),
+        p_kpe=kpe,
+        s_kpe_t=kpe.stride(0),
+        p_w=w_data,
+        s_w_h=w_data.stride(0),
+        s_w_p=w_data.stride(1),
+        s_w_l=w_data.stride(2),
+        p_ws=w_scale,
+        s_ws_h=s_ws_h,
+        s_ws_p=s_ws_p,
+        p_pos=args.positions,
+        s_pos=args.positions.stride(0),
+        p_cos=args.cos_cache,
+        s_cos=args.cos_cache.stride(0),
+        p_sin=args.sin_cache,
+        s_sin=args.sin_cache.stride(0),
+        p_slot=args.slot_mapping,
+        s_slot=args.slot_mapping.stride(0),
+        p_kv_scale=p_kv_scale,
+        kv_scale_value=kv_scale_value,
+        p_q=q,
+        s_q_t=q.stride(0),
+        s_q_h=q.stride(1),
+        p_q_scale=p_q_scale,
+        q_scale_value=q_scale_value,
+        p_qpo=qpo,
+        s_qpo_t=qpo.stride(0),
+        s_qpo_h=qpo.stride(1),
+        p_kpo=kpo,
+        s_kpo_t=kpo.stride(0),
+        p_cache=cache,
+        s_cache_b=cache.stride(0),
+        s_cache_s=cache.stride(1),
+        N=N,
+        D=D,
+        n_bmm=pl.n_bmm,
+        n_rope_d=pl.n_rope_d,
+        n_rope_p=pl.n_rope_p,
+        max_pos=args.cos_cache.shape[0],
+        num_slots=cache.shape[0] * cache.shape[1],
         block_size=cache.shape[1],
-        H=H, P=P, R=R, L=L,
-        BLOCK_P=cfg["BLOCK_P"], BLOCK_L=cfg["BLOCK_L"], BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_R=cfg["BLOCK_R"], BLOCK_LC=cfg["BLOCK_LC"], ROPE_ROWS=cfg["ROPE_ROWS"],
+        H=H,
+        P=P,
+        R=R,
+        L=L,
+        BLOCK_P=cfg["BLOCK_P"],
+        BLOCK_L=cfg["BLOCK_L"],
+        BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_R=cfg["BLOCK_R"],
+        BLOCK_LC=cfg["BLOCK_LC"],
+        ROPE_ROWS=cfg["ROPE_ROWS"],
         CACHE_ROWS=cfg["CACHE_ROWS"],
-        IS_NEOX=args.is_neox, APPLY_ROPE=args.apply_rope,
-        KV_FP8=fp8_code(cache.dtype), Q_FP8=fp8_code(q.dtype),
-        W_FMT=w_fmt, MX_NATIVE=mx_native,
+        IS_NEOX=args.is_neox,
+        APPLY_ROPE=args.apply_rope,
+        KV_FP8=fp8_code(cache.dtype),
+        Q_FP8=fp8_code(q.dtype),
+        W_FMT=w_fmt,
+        MX_NATIVE=mx_native,
         A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
         A_QUANT=fp8_code(w_data.dtype) if args.act_quant == "fp8" else 0,
-        DOT_FP32=interp, FIX_BF16=interp, USE_PDL=pdl, 
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_opts,
+        DOT_FP32=interp,
+        FIX_BF16=interp,
+        USE_PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **launch_opts,
     )
 
 
