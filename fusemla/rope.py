@@ -90,8 +90,13 @@ def split_cos_sin_cache(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torc
             floating tensor with an even last dim ``R``.
 
     Returns:
-        ``(cos_cache, sin_cache)``, each a contiguous ``[max_position, R/2]`` tensor with the
-        dtype and device of ``cos_sin_cache``.
+        ``(cos_cache, sin_cache)``, each ``[max_position, R/2]`` with the dtype and device of
+        ``cos_sin_cache``: views into it (no copy, no memory: the kernel reads them with their
+        row stride) when its last dim is contiguous, as an engine's cache is; contiguous copies
+        otherwise. An engine shares one RoPE cache between all layers (vLLM does), so a copy
+        per layer would hold ``layers x max_position x R`` values for nothing (1.2 GiB at
+        DeepSeek-V3's 61 layers and 163,840 positions in bf16), and a copy made inside a CUDA
+        graph capture would be replayed with the graph.
 
     Raises:
         FuseMLATypeError: ``cos_sin_cache`` is not a tensor or not floating point.
@@ -120,8 +125,9 @@ def split_cos_sin_cache(cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torc
             f"{describe(cos_sin_cache)}"
         )
     half = width // 2
-    cos_cache = cos_sin_cache[:, :half].contiguous()
-    sin_cache = cos_sin_cache[:, half:].contiguous()
+    cos_cache, sin_cache = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+    if cos_sin_cache.stride(1) != 1:
+        cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
     return cos_cache, sin_cache
 
 

@@ -102,7 +102,9 @@ def stats() -> dict[str, int]:
     (a half switched off); ``mixed_calls``: op calls with both decode and prefill tokens;
     ``decode_calls`` / ``prefill_calls``: op calls with any decode / prefill tokens;
     ``no_metadata_calls``: profile / dummy runs (vLLM's path); ``fallback_calls``: steps run on
-    vLLM's path for a runtime reason (logged once).
+    vLLM's path for a runtime reason (logged once); ``spec_builds``: layer specs built (once
+    per layer, again when vLLM replaces or reloads a source tensor), ``spec_builds_in_capture``
+    the ones built inside a CUDA graph capture (0 when :meth:`_LayerState.prebuild` ran).
     """
     return dict(_stats)
 
@@ -296,7 +298,37 @@ class _LayerState:
                 act_quant="fp8" if self.w_uk == "fp8xfp8" else None,
             )
             self._spec_key = key
+            _stats["spec_builds"] += 1
+            if _capturing():
+                _stats["spec_builds_in_capture"] += 1
         return self._spec
+
+    def fp8_query(self) -> tuple[torch.dtype, torch.Tensor] | None:
+        """The decode query's FP8 dtype and scale, when the cache is FP8 and vLLM's decode
+        backend takes an FP8 query; else None (the query stays in the activations' dtype)."""
+        if not self.ad.is_fp8_cache(self.attn):
+            return None
+        takes_fp8, q_scale = self.ad.fp8_query(self.attn)
+        return (self.ad.fp8_dtype(), q_scale) if takes_fp8 else None
+
+    def prebuild(self) -> None:
+        """Build the spec ahead of the first fused step, on a step vLLM runs without metadata
+        (its profile run, eager, before any CUDA graph is captured): the first fused step is
+        otherwise inside a capture (vLLM 0.33 captures before it serves), where a spec build's
+        work (``FUSEMLA_VLLM_W_UK=fp8`` quantizes, and syncs) cannot run. Skipped while
+        capturing or before the weights exist; a spec that cannot be built here is built (and
+        its error raised) at the first fused step."""
+        if self._spec_key is not None or not self.fused_dec or _capturing():
+            return
+        w = self.ad.w_uk_t(self.attn)
+        if not isinstance(w, torch.Tensor) or tuple(w.shape[1:]) != (self.P, self.L):
+            return
+        if self.ad.cos_sin_cache(self.rotary_emb) is None:
+            return
+        try:
+            self.spec(self.fp8_query())
+        except Exception:  # noqa: BLE001 - raised again, with its message, at the first fused step
+            self._spec_key = self._spec = None
 
     # -- runtime support check (first step with weights and a cache)
 
@@ -342,6 +374,7 @@ class _LayerState:
         if md is None or slots is None or kv_cache.numel() == 0:
             _stats["no_metadata_calls"] += 1
             self.vllm_path(q, kv_c, k_pe, positions, output, md, slots)
+            self.prebuild()
             return
         if self.runtime_reason(q, kv_cache) is not None:
             _stats["fallback_calls"] += 1
@@ -374,13 +407,10 @@ class _LayerState:
         q, kv_c, k_pe = q[:n], kv_c[:n], k_pe[:n]
         positions, slots = positions[:n], slots[:n]
         H = q.shape[1]
-        cache, kv_scale, fp8_query = kv_cache, None, None
+        cache, kv_scale, fp8_query = kv_cache, None, self.fp8_query()
         if ad.is_fp8_cache(a):
             cache = kv_cache.view(ad.fp8_dtype())
             kv_scale = ad.k_scale(a)
-            takes_fp8, q_scale = ad.fp8_query(a)
-            if takes_fp8:
-                fp8_query = (cache.dtype, q_scale)
         split = split_halves(n, D, self.fused_dec, self.fused_pre)
         k2 = k_pe.reshape(n, R)
 
@@ -438,6 +468,10 @@ class _LayerState:
             else:
                 # vLLM's decode path (BMM, concat, MQA, W_UV) on the decode tokens alone
                 ad.own_attention(a, q_d, kv_c[:D], k_d, kv_cache, md, output[:D])
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _prologue(*args, **kwargs):

@@ -46,12 +46,22 @@ def test_split_round_trips(dtype: torch.dtype) -> None:
     assert cos.shape == (37, 32) and sin.shape == (37, 32)
     assert cos.dtype == dtype and sin.dtype == dtype
     assert cos.device == cache.device
-    assert cos.is_contiguous() and sin.is_contiguous()
     assert torch.equal(torch.cat((cos, sin), dim=-1), cache)
+    # views into the cache: no copy (an engine's one RoPE cache serves every layer)
+    assert cos.data_ptr() == cache.data_ptr()
+    assert sin.data_ptr() == cache.data_ptr() + 32 * cache.element_size()
+    assert cos.stride() == sin.stride() == (64, 1)
+
+
+def test_split_views_follow_the_cache() -> None:
+    cache = torch.randn(9, 8)
+    cos, sin = split_cos_sin_cache(cache)
+    cache[3, 1], cache[5, 6] = 7.0, -3.0  # e.g. an engine recomputing its cache in place
+    assert cos[3, 1] == 7.0 and sin[5, 2] == -3.0
 
 
 def test_split_of_non_contiguous_cache_is_contiguous() -> None:
-    cache = torch.randn(64, 40).t()  # [40, 64] with stride (1, 40)
+    cache = torch.randn(64, 40).t()  # [40, 64] with stride (1, 40): rows not contiguous
     cos, sin = split_cos_sin_cache(cache)
     assert cos.is_contiguous() and sin.is_contiguous()
     assert torch.equal(cos, cache[:, :32]) and torch.equal(sin, cache[:, 32:])

@@ -1,0 +1,900 @@
+"""The decode step at full depth, as a user serves it: vLLM's ``LLM.generate`` with its defaults.
+
+One engine at a time (two 61-layer engines do not fit on one H200), each in its own process, the
+engine core in a process of its own (vLLM's default), vLLM's default compile and CUDA-graph mode,
+async scheduling, ``load_format="dummy"``. Per batch size ``B`` and sampling mode, ``--repeats``
+times: TPOT = (t(generate ``--long`` new tokens) - t(generate ``--short`` new tokens)) /
+(long - short), B fresh prompts of ``--context`` tokens per call (prefix caching never hits), the
+prompts the same in every engine. Then, in the same engine:
+
+- a profiled window of decode steps (torch profiler in the engine-core process, CUDA kernels,
+  CUDA-graph replays included): GPU time per step by kernel category (MoE included), GPU busy
+  and idle time per step (the idle time is host and launch time the GPU waits for);
+- the graph each step ran: the model runner's CUDA-graph dispatch, wrapped, counted by (mode,
+  tokens, requests) over the timed calls; decode steps whose request count is B show that all B
+  requests ran together (else the cell is marked "does not fit");
+- the plugin op's Python calls per decode step (``fusemla.integrations.vllm.stats()``; zero
+  means every decode step replayed a full graph), and the compile config vLLM resolved
+  (graph mode, splitting ops, fusion passes).
+
+Sampling modes: ``greedy`` (what a user's greedy benchmark does) and ``seeded`` (temperature 1,
+a fixed seed per request): a dummy-weight model's logits are near ties, so greedy tokens differ
+between two engines at the first bf16 rounding difference, their MoE routing follows the tokens,
+and the MoE's weight traffic (the largest part of a decode step at B >= 8) differs with it; with
+seeded sampling the sampled token is decided by the seed's noise, not by the near tie, so both
+engines decode the same tokens and route alike (the token hashes in the JSON show it).
+
+Serving layouts of DeepSeek-V3 (61 layers, FP8 128x128 block weights, dummy values):
+``tp8``: one tensor-parallel-8 rank (16 heads, 256 experts 256 wide, dense 2304, vocab 16160);
+``ep8``: one rank of data-parallel attention + expert-parallel 8 (128 heads, 32 experts 2048
+wide, dense 18432, vocab 129280). No collectives run (one GPU), DeepGEMM off.
+
+    python benchmarks/vllm_depth.py config DIR --shard tp8              # the model directory
+    python benchmarks/vllm_depth.py engine --model DIR --variant on --batches 1 32 --out X.json
+    python benchmarks/vllm_depth.py pair --shard tp8 --order off,on --out-dir D   # one engine after the other
+    python benchmarks/vllm_depth.py table D/*.json                      # the results table
+    python benchmarks/vllm_depth.py --smoke                             # vLLM's CPU build, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# ------------------------------------------------------------------------------ the models
+
+#: DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3) and what one GPU holds of it per layout
+V3 = dict(
+    hidden_size=7168,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    n_shared_experts=1,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "rope_type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    bos_token_id=0,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    torch_dtype="bfloat16",
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    quantization_config={
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    },
+)
+SHARDS = {
+    # tensor parallel 8: heads, expert width, dense width and vocab split 8 ways
+    "tp8": dict(
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_routed_experts=256,
+        moe_intermediate_size=256,
+        intermediate_size=2304,
+        vocab_size=16160,
+    ),
+    # data-parallel attention + expert parallel 8: all heads, 256/8 experts at full width
+    "ep8": dict(
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_routed_experts=32,
+        moe_intermediate_size=2048,
+        intermediate_size=18432,
+        vocab_size=129280,
+    ),
+    # --smoke on vLLM's CPU build: DeepSeek-V3's attention dims, 2 layers, small everything else
+    "smoke": dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        moe_intermediate_size=128,
+        intermediate_size=256,
+        vocab_size=1024,
+        hidden_size=256,
+        q_lora_rank=128,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=4096,
+        quantization_config=None,
+    ),
+}
+
+
+def model_config(shard: str) -> dict:
+    cfg = {**V3, **SHARDS[shard]}
+    if cfg.get("quantization_config") is None:
+        cfg.pop("quantization_config", None)
+    return cfg
+
+
+def write_model(path: Path, shard: str) -> Path:
+    """A model directory vLLM loads with ``load_format="dummy"``: config.json only."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(shard), indent=1))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return path
+
+
+# ------------------------------------------------------------------------------ kernel categories
+
+#: kernel-name fragments -> category (first match wins; names lower-cased)
+CATEGORIES = (
+    ("fusemla prologue", ("mla_prologue_kernel",)),
+    ("vllm cache write", ("concat_and_cache_mla",)),
+    ("vllm rope", ("rotary_embedding", "rope")),
+    ("moe", ("fused_moe", "moe_", "_moe", "topk", "expert", "moe")),
+    ("fp8 quant", ("per_token_group", "quant")),
+    ("attention", ("flash", "fmha", "mla", "attn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "bmm", "splitk", "sm90")),
+    ("norm", ("rms_norm", "rmsnorm", "layernorm")),
+    ("triton (inductor)", ("triton_",)),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, frags in CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "other"
+
+
+# ------------------------------------------------------------------------------ engine-core side
+# Functions sent to the engine core through LLM.collective_rpc (cloudpickled by value, each with
+# its own copy of this module's globals): ``w`` is vLLM's worker there, and the state lives on it.
+
+
+def _rpc_install(w) -> dict:
+    """Wrap the model runner's CUDA-graph dispatch (count what each step ran) and its
+    execute_model (the profiled window); return the resolved config."""
+    import collections
+
+    runner = w.model_runner
+    st = w.__dict__.setdefault(
+        "_depth_state",
+        {
+            "dispatch": collections.Counter(),
+            "timeline": [],
+            "arm": 0,
+            "steps": 0,
+            "prof": None,
+            "result": None,
+        },
+    )
+    kind = type(runner).__module__
+    mgr = getattr(runner, "cudagraph_manager", None)  # Model Runner V2
+    disp = getattr(runner, "cudagraph_dispatcher", None)  # Model Runner V1
+    if mgr is not None and not getattr(mgr, "_depth_wrapped", False):
+        orig = mgr.dispatch
+
+        def dispatch(num_reqs, num_tokens, *a, **k):
+            desc = orig(num_reqs, num_tokens, *a, **k)
+            st["dispatch"][(desc.cg_mode.name, int(num_tokens), int(num_reqs))] += 1
+            return desc
+
+        mgr.dispatch = dispatch
+        mgr._depth_wrapped = True
+    elif disp is not None and not getattr(disp, "_depth_wrapped", False):
+        orig = disp.dispatch
+
+        def dispatch(num_tokens, *a, **k):
+            mode, bd = orig(num_tokens, *a, **k)
+            st["dispatch"][(mode.name, int(num_tokens), int(getattr(bd, "num_reqs", 0) or 0))] += 1
+            return mode, bd
+
+        disp.dispatch = dispatch
+        disp._depth_wrapped = True
+    if not getattr(runner, "_depth_wrapped", False):
+        orig_exec = runner.execute_model
+
+        def execute_model(*a, **k):
+            if not k.get("dummy_run", False):
+                so = a[0] if a else k.get("scheduler_output")
+                try:  # the step timeline: when each real step was issued, and its shape
+                    st["timeline"].append(
+                        (
+                            time.perf_counter(),
+                            int(so.total_num_scheduled_tokens),
+                            len(so.num_scheduled_tokens),
+                        )
+                    )
+                except Exception:  # noqa: BLE001 - diagnostics only
+                    pass
+                if st["arm"]:
+                    _window_tick(st)
+            return orig_exec(*a, **k)
+
+        runner.execute_model = execute_model
+        runner._depth_wrapped = True
+    cc = w.vllm_config.compilation_config
+    pc = cc.pass_config
+    passes = {
+        k: getattr(pc, k)
+        for k in dir(pc)
+        if k.startswith(("fuse_", "enable_", "eliminate"))
+        and isinstance(getattr(pc, k, None), bool)
+    }
+    attn = {}
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import MLAAttention  # noqa: F401
+    except Exception:
+        pass
+    try:
+        m = runner.model
+        for mod in m.modules():
+            if hasattr(mod, "attn_backend") and hasattr(mod, "kv_cache_dtype"):
+                attn = {
+                    "backend": mod.attn_backend.get_name(),
+                    "kv_cache_dtype": str(mod.kv_cache_dtype),
+                    "wrapper": type(getattr(mod, "_fusemla_owner", mod)).__name__,
+                }
+                break
+        wrappers = collections.Counter(
+            type(mod).__name__ for mod in m.modules() if "LatentAttention" in type(mod).__name__
+        )
+    except Exception as e:  # pragma: no cover - diagnostics only
+        wrappers = {"error": repr(e)}
+    cache = w.vllm_config.cache_config
+    sched = w.vllm_config.scheduler_config
+    return {
+        "model_runner": kind,
+        "cudagraph_mode": str(cc.cudagraph_mode),
+        "splitting_ops": list(cc.splitting_ops or []),
+        "compile_mode": str(cc.mode),
+        "use_inductor_graph_partition": bool(cc.use_inductor_graph_partition),
+        "capture_sizes": list(cc.cudagraph_capture_sizes or []),
+        "passes": passes,
+        "custom_ops": list(cc.custom_ops or []),
+        "attention": attn,
+        "wrappers": dict(wrappers),
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
+    }
+
+
+def _window_tick(st) -> None:
+    """Called at the start of each real execute_model while a window is armed: the first call
+    starts the profiler, the (arm + 1)-th stops it (the window is ``arm`` whole steps)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if st["prof"] is None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if cuda:
+            torch.cuda.synchronize()
+        # vLLM's CPU build (the smoke run): CPU ops stand in for kernels
+        st["prof"] = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        st["prof"].__enter__()
+        st["steps"] = 0
+        st["plugin0"] = _plugin_stats()
+        return
+    st["steps"] += 1
+    if st["steps"] < st["arm"]:
+        return
+    if cuda:
+        torch.cuda.synchronize()
+    prof, st["prof"] = st["prof"], None
+    prof.__exit__(None, None, None)
+    st["arm"] = 0
+    st["result"] = _summarize_profile(prof, st["steps"], st["plugin0"], _plugin_stats())
+
+
+def _plugin_stats() -> dict:
+    try:
+        from fusemla.integrations import vllm as plugin
+
+        return dict(plugin.stats())
+    except Exception:
+        return {}
+
+
+def _summarize_profile(prof, steps: int, s0: dict, s1: dict) -> dict:
+    import torch
+
+    want = "CUDA" if torch.cuda.is_available() else "CPU"
+    ev = []
+    for e in prof.events():
+        if e.device_type.name == want:
+            ev.append((float(e.time_range.start), float(e.time_range.end), e.name))
+    ev.sort()
+    by_kernel: dict = {}
+    for a, b, n in ev:
+        c = by_kernel.setdefault(n, [0, 0.0])
+        c[0] += 1
+        c[1] += b - a
+    busy, cur_a, cur_b = 0.0, None, None  # union of the kernels' intervals
+    for a, b, _ in ev:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        busy += cur_b - cur_a
+    span = (ev[-1][1] - ev[0][0]) if ev else 0.0
+    cats: dict = {}
+    for n, (_, us) in by_kernel.items():
+        cats[category(n)] = cats.get(category(n), 0.0) + us
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:30]
+    return {
+        "steps": steps,
+        "kernel_us_per_step": round(sum(v[1] for v in by_kernel.values()) / steps, 2),
+        "busy_us_per_step": round(busy / steps, 2),
+        "idle_us_per_step": round((span - busy) / steps, 2),
+        "span_us_per_step": round(span / steps, 2),
+        "kernels_per_step": round(len(ev) / steps, 1),
+        "by_category_us_per_step": {
+            k: round(v / steps, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels": [
+            {"name": n[:160], "per_step": round(c / steps, 2), "us_per_step": round(us / steps, 2)}
+            for n, (c, us) in top
+        ],
+        "plugin_stats_delta": {k: s1.get(k, 0) - s0.get(k, 0) for k in set(s0) | set(s1)},
+    }
+
+
+def _rpc_arm(w, steps: int) -> None:
+    st = w._depth_state
+    st["result"], st["arm"], st["prof"] = None, steps, None
+
+
+def _rpc_result(w):
+    return w._depth_state["result"]
+
+
+def _rpc_dispatch(w, reset: bool):
+    st = w._depth_state
+    out = [[k[0], k[1], k[2], v] for k, v in sorted(st["dispatch"].items())]
+    if reset:
+        st["dispatch"].clear()
+    return out
+
+
+def _rpc_timeline(w, batch: int):
+    """The decode steps' wall time in the engine core since the last call: the interval from
+    one step's issue to the next, over consecutive steps that both decode all ``batch``
+    requests (one token each). With async scheduling a step is issued while the one before
+    runs, so in steady state the interval is the step's time: GPU time when the GPU is the
+    bottleneck, host time when the host is. No prefill time enters, unlike (t(long) -
+    t(short)) / (long - short)."""
+    import statistics
+
+    tl, w._depth_state["timeline"] = w._depth_state["timeline"], []
+    iv = [
+        (b[0] - a[0]) * 1e3
+        for a, b in zip(tl, tl[1:])
+        if a[1] == a[2] == batch and b[1] == b[2] == batch
+    ]
+    if not iv:
+        return {"steps": 0}
+    iv.sort()
+    return {
+        "steps": len(iv),
+        "median_ms": round(statistics.median(iv), 4),
+        "mean_ms": round(statistics.fmean(iv), 4),
+        "p10_ms": round(iv[len(iv) // 10], 4),
+        "p90_ms": round(iv[(9 * len(iv)) // 10], 4),
+    }
+
+
+def _rpc_plugin(w):
+    return _plugin_stats()
+
+
+# ------------------------------------------------------------------------------ client side
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def _extreme(f, xs):
+    xs = [x for x in xs if x is not None]
+    return round(f(xs), 4) if xs else None
+
+
+def prompts_for(batch: int, context: int, vocab: int, tag: str) -> list:
+    """B prompts of ``context`` token ids, fixed by (B, context, tag): the same in every engine,
+    different per call (so vLLM's prefix cache never hits)."""
+    import random
+
+    rnd = random.Random(f"{batch}/{context}/{tag}")
+    return [
+        {"prompt_token_ids": [rnd.randrange(2, vocab) for _ in range(context)]}
+        for _ in range(batch)
+    ]
+
+
+def engine_main(args) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    on_gpu = torch.cuda.is_available()
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+    kw = dict(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        seed=0,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if not on_gpu:  # vLLM's CPU build (the smoke run)
+        kw.update(attention_backend="CPU_MLA", enforce_eager=True, gpu_memory_utilization=0.3)
+    t0 = time.time()
+    llm = LLM(**kw)
+    res: dict = {
+        "variant": args.variant,
+        "model": args.model,
+        "config": cfg,
+        "engine_start_s": round(time.time() - t0, 1),
+        "cells": [],
+        "env": {
+            k: v for k, v in os.environ.items() if k.startswith(("FUSEMLA_", "VLLM_USE_DEEP_GEMM"))
+        },
+    }
+    try:
+        import vllm
+
+        res["vllm"] = vllm.__version__
+        res["torch"] = torch.__version__
+        res["device"] = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    except Exception:
+        pass
+    res["engine"] = llm.collective_rpc(_rpc_install)[0]
+    res["plugin_after_start"] = llm.collective_rpc(_rpc_plugin)[0]
+    print(
+        f"[depth] {args.variant}: engine up in {res['engine_start_s']} s: "
+        f"{json.dumps(res['engine'])[:600]}",
+        flush=True,
+    )
+
+    def params(mode: str, n: int, batch: int):
+        if mode == "greedy":
+            return SamplingParams(
+                temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False
+            )
+        return [
+            SamplingParams(
+                temperature=1.0,
+                seed=1000 + i,
+                max_tokens=n,
+                min_tokens=n,
+                ignore_eos=True,
+                detokenize=False,
+            )
+            for i in range(batch)
+        ]
+
+    def timed(prompts, sp) -> tuple[float, list]:
+        if on_gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        return dt, [list(o.outputs[0].token_ids) for o in outs]
+
+    # warm-up: one short call per batch size (first-call allocations, JIT of sampling kernels)
+    for b in args.batches:
+        timed(prompts_for(b, args.context, vocab, "warm"), params("greedy", args.short, b))
+    for b in args.batches:
+        for mode in args.sampling:
+            llm.collective_rpc(_rpc_dispatch, args=(True,))
+            p0 = llm.collective_rpc(_rpc_plugin)[0]
+            tpot, hashes, tokens0, walls, core = [], [], None, [], []
+            llm.collective_rpc(_rpc_timeline, args=(b,))  # start the timeline afresh
+            for r in range(args.repeats):
+                t_s, _ = timed(
+                    prompts_for(b, args.context, vocab, f"{mode}/s{r}"), params(mode, args.short, b)
+                )
+                t_l, toks = timed(
+                    prompts_for(b, args.context, vocab, f"{mode}/l{r}"), params(mode, args.long, b)
+                )
+                tpot.append(1e3 * (t_l - t_s) / (args.long - args.short))
+                walls.append([round(t_s, 4), round(t_l, 4), round(time.time(), 2)])
+                core.append(llm.collective_rpc(_rpc_timeline, args=(b,))[0])
+                hashes.append([hashlib.sha1(json.dumps(t).encode()).hexdigest()[:12] for t in toks])
+                if r == 0:
+                    tokens0 = toks
+            p1 = llm.collective_rpc(_rpc_plugin)[0]
+            disp = llm.collective_rpc(_rpc_dispatch, args=(True,))[0]
+            # decode steps: b tokens of b requests; their graph mode
+            dec = {}
+            for mode_name, ntok, nreq, cnt in disp:
+                if nreq == b and ntok >= b and ntok <= max(b, 1) * 2 and ntok < args.context:
+                    dec[mode_name] = dec.get(mode_name, 0) + cnt
+            expected_steps = args.repeats * (args.short + args.long - 2)
+            n_dec = sum(dec.values())
+            cell = {
+                "batch": b,
+                "sampling": mode,
+                "context": args.context,
+                "tpot_ms": [round(x, 4) for x in tpot],
+                # per repeat: wall s of the short and the long call, and the clock at its end
+                "walls_s": walls,
+                # per repeat: the decode steps' time in the engine core (_rpc_timeline)
+                "core_step": core,
+                "core_step_median_ms": _median([c.get("median_ms") for c in core]),
+                "core_step_min_ms": _extreme(min, [c.get("median_ms") for c in core]),
+                "core_step_max_ms": _extreme(max, [c.get("median_ms") for c in core]),
+                "median_ms": round(statistics.median(tpot), 4),
+                "min_ms": round(min(tpot), 4),
+                "max_ms": round(max(tpot), 4),
+                "decode_steps_with_all_B": n_dec,
+                "decode_steps_expected": expected_steps,
+                # all B requests decoded together (None: this model runner's dispatch unseen)
+                "fits": (any(nreq == b for _, _, nreq, _ in disp) if disp else None),
+                "decode_graph_modes": dec,
+                "dispatch": disp,
+                "plugin_calls_delta": {k: p1.get(k, 0) - p0.get(k, 0) for k in set(p0) | set(p1)},
+                "token_hashes": hashes,
+                "tokens_r0": tokens0 if b <= 32 else None,
+            }
+            print(
+                f"[depth] {args.variant} B={b} {mode}: TPOT median {cell['median_ms']:.3f} ms "
+                f"(core decode step {cell['core_step_median_ms']} ms) "
+                f"({cell['min_ms']:.3f}-{cell['max_ms']:.3f}); decode steps with all B: "
+                f"{n_dec}/{expected_steps} {dec}; plugin op calls "
+                f"{cell['plugin_calls_delta'].get('op_calls', 0)}",
+                flush=True,
+            )
+            if args.profile_steps:
+                cell["profile"] = profile_window(llm, b, args, vocab, params(mode, 10**4, b))
+                pr = cell["profile"] or {}
+                print(
+                    f"[depth] {args.variant} B={b} profile: {json.dumps({k: pr.get(k) for k in ('steps', 'kernel_us_per_step', 'busy_us_per_step', 'idle_us_per_step')})} "
+                    f"{json.dumps(pr.get('by_category_us_per_step'))}",
+                    flush=True,
+                )
+            res["cells"].append(cell)
+            if args.out:  # written after every cell: a lease may end mid-run
+                Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+def profile_window(llm, batch: int, args, vocab: int, sp) -> dict | None:
+    """Profile ``args.profile_steps`` whole decode steps of B running requests."""
+    engine = llm.llm_engine
+    ids = [f"prof{batch}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts_for(batch, args.context, vocab, "prof")):
+        engine.add_request(rid, p, sp[ids.index(rid)] if isinstance(sp, list) else sp)
+    seen: set = set()
+    for _ in range(2000):  # prefill: until every request has its first token
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                seen.add(out.request_id)
+        if len(seen) == batch:
+            break
+    for _ in range(4):
+        engine.step()
+    llm.collective_rpc(_rpc_arm, args=(args.profile_steps,))
+    result = None
+    for _ in range(args.profile_steps * 4 + 50):
+        engine.step()
+        result = llm.collective_rpc(_rpc_result)[0]
+        if result is not None:
+            break
+    engine.abort_request(ids)
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    llm.collective_rpc(_rpc_dispatch, args=(True,))
+    return result
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def pair_main(args) -> None:
+    """Engines one after the other (``--order``), each a process of its own; JSON per engine."""
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = write_model(out_dir / f"model_{args.shard}", args.shard)
+    cache_root = Path(args.cache_root or out_dir / "vllm_cache")
+    for i, variant in enumerate(args.order.split(",")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEMLA_")}
+        if args.shard == "smoke":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(
+            FUSEMLA_VLLM="0" if variant == "off" else "1",
+            PYTHONUNBUFFERED="1",
+            VLLM_CACHE_ROOT=str(cache_root),
+            VLLM_USE_DEEP_GEMM="0",
+            # LLM.collective_rpc sends this script's functions to the engine core (cloudpickle)
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        )
+        if variant not in ("off", "on"):
+            env["FUSEMLA_VLLM_W_UK"] = variant
+        tag = f"{args.shard}_{args.tag}_{i}{variant}"
+        cmd = [
+            sys.executable,
+            __file__,
+            "engine",
+            "--model",
+            str(model),
+            "--variant",
+            variant,
+            "--batches",
+            *map(str, args.batches),
+            "--context",
+            str(args.context),
+            "--repeats",
+            str(args.repeats),
+            "--short",
+            str(args.short),
+            "--long",
+            str(args.long),
+            "--sampling",
+            *args.sampling,
+            "--profile-steps",
+            str(args.profile_steps),
+            "--kv-cache-dtype",
+            args.kv_cache_dtype,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--out",
+            str(out_dir / f"{tag}.json"),
+        ]
+        print(f"[depth] starting {tag}: {' '.join(cmd[2:])}", flush=True)
+        t0 = time.time()
+        with open(out_dir / f"{tag}.log", "w") as log:
+            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        print(f"[depth] {tag} exit {rc} after {time.time() - t0:.0f} s", flush=True)
+        os.system(f"grep '^\\[depth\\]' {out_dir / f'{tag}.log'} | tail -40")
+
+
+def load_runs(paths) -> list:
+    runs = []
+    for p in paths:
+        try:
+            r = json.loads(Path(p).read_text())
+        except Exception:
+            continue
+        if isinstance(r, dict) and "cells" in r:
+            r["_file"] = str(p)
+            runs.append(r)
+        elif isinstance(r, dict) and isinstance(r.get("runs"), list):  # a committed results file
+            for x in r["runs"]:
+                x.setdefault("_file", f"{p}:{x.get('variant')}")
+                runs.append(x)
+    return runs
+
+
+def _shard(r: dict) -> str:
+    heads = r["config"]["num_attention_heads"]
+    return "tp8" if heads == 16 else "ep8" if heads == 128 else f"h{heads}"
+
+
+def _ms(x, nd: int = 3) -> str:
+    return "" if x is None else f"{x:.{nd}f}"
+
+
+def table(runs: list) -> str:
+    """Per cell and engine: TPOT as (t(long) - t(short)) / (long - short) and as the engine
+    core's decode-step time (median of the repeats' medians, min-max), GPU span / busy / idle
+    per step in the profiled window, MoE GPU time, the plugin op's calls during the timed
+    calls and the graph mode of the decode steps."""
+    lines = [
+        "| shard | B | ctx | kv | sampling | engine | TPOT ms, by difference | "
+        "core decode step ms | GPU span us/step | busy | idle | MoE | plugin op calls | "
+        "decode graphs | KV blocks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype", "")
+        for c in r["cells"]:
+            pr = c.get("profile") or {}
+            moe = (pr.get("by_category_us_per_step") or {}).get("moe")
+            fit = " does not fit" if c["fits"] is False else ""
+            core = (
+                f"{_ms(c.get('core_step_median_ms'))} ({_ms(c.get('core_step_min_ms'))}-"
+                f"{_ms(c.get('core_step_max_ms'))})"
+                if c.get("core_step_median_ms") is not None
+                else ""
+            )
+            lines.append(
+                f"| {_shard(r)} | {c['batch']} | {c['context']} | {kv} | {c['sampling']} | "
+                f"{r['variant']} ({Path(r['_file']).stem}) | {c['median_ms']:.3f} "
+                f"({c['min_ms']:.3f}-{c['max_ms']:.3f}){fit} | {core} | "
+                f"{pr.get('span_us_per_step', '')} | {pr.get('busy_us_per_step', '')} | "
+                f"{pr.get('idle_us_per_step', '')} | {'' if moe is None else moe} | "
+                f"{c['plugin_calls_delta'].get('op_calls', 0)} | {c['decode_graph_modes']} | "
+                f"{r.get('engine', {}).get('num_gpu_blocks', '')} |"
+            )
+    return "\n".join(lines)
+
+
+def compare(runs: list) -> str:
+    """On vs off per cell (same shard, B, context, cache dtype, sampling): the change of each
+    measure in percent of off (negative: the plugin is faster), and whether both engines
+    decoded the same tokens (then their MoE routing and expert traffic were the same)."""
+    key = lambda r, c: (
+        _shard(r),
+        c["batch"],
+        c["context"],  # noqa: E731
+        r.get("engine", {}).get("attention", {}).get("kv_cache_dtype"),
+        c["sampling"],
+    )
+    cells: dict = {}
+    for r in runs:
+        for c in r["cells"]:
+            cells.setdefault(key(r, c), {}).setdefault(r["variant"], []).append(c)
+    lines = [
+        "| shard | B | ctx | kv | sampling | same tokens | TPOT by difference | "
+        "core decode step | GPU span per step | GPU busy per step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(on, off):
+        return "" if on is None or off in (None, 0) else f"{100 * (on - off) / off:+.1f} %"
+
+    for k, by in sorted(
+        cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])
+    ):
+        if "off" not in by or "on" not in by:
+            continue
+        off, on = by["off"][0], by["on"][0]
+        same = sum(
+            x == y for a, b in zip(off["token_hashes"], on["token_hashes"]) for x, y in zip(a, b)
+        )
+        total = sum(len(a) for a in off["token_hashes"])
+        po, pn = off.get("profile") or {}, on.get("profile") or {}
+        lines.append(
+            f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {same}/{total} | "
+            f"{off['median_ms']:.3f} -> {on['median_ms']:.3f} "
+            f"({pct(on['median_ms'], off['median_ms'])}) | "
+            f"{_ms(off.get('core_step_median_ms'))} -> {_ms(on.get('core_step_median_ms'))} "
+            f"({pct(on.get('core_step_median_ms'), off.get('core_step_median_ms'))}) | "
+            f"{po.get('span_us_per_step', '')} -> {pn.get('span_us_per_step', '')} "
+            f"({pct(pn.get('span_us_per_step'), po.get('span_us_per_step'))}) | "
+            f"{po.get('busy_us_per_step', '')} -> {pn.get('busy_us_per_step', '')} "
+            f"({pct(pn.get('busy_us_per_step'), po.get('busy_us_per_step'))}) |"
+        )
+    return "\n".join(lines)
+
+
+def smoke() -> None:
+    """vLLM's CPU build: the tiny 'smoke' layout, plugin off then on, one repeat, then the
+    table; fails unless both engines produced a TPOT and the on engine's plugin ran fused."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="vllm_depth_smoke_"))
+    args = argparse.Namespace(
+        out_dir=str(d),
+        shard="smoke",
+        order="off,on",
+        tag="smoke",
+        batches=[1, 2],
+        context=16,
+        repeats=1,
+        short=2,
+        long=4,
+        sampling=["greedy", "seeded"],
+        profile_steps=3,
+        kv_cache_dtype="auto",
+        max_model_len=256,
+        cache_root=None,
+    )
+    pair_main(args)
+    runs = load_runs(sorted(d.glob("*.json")))
+    print(table(runs))
+    print(compare(runs))
+    assert len(runs) == 2 and all(len(r["cells"]) == 4 for r in runs), "smoke: missing cells"
+    on = [r for r in runs if r["variant"] == "on"][0]
+    assert on["plugin_after_start"].get("layers_fused", 0) > 0, "smoke: the plugin did not fuse"
+    assert all(c["plugin_calls_delta"].get("op_calls", 0) > 0 for c in on["cells"]), (
+        "smoke: the plugin op never ran"
+    )
+    assert all(
+        (c.get("profile") or {}).get("steps") == 3
+        for r in runs
+        for c in r["cells"]
+        if c["sampling"] == "greedy"
+    ), "smoke: no profiled window"
+    print("[depth] smoke ok")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true")
+    sub = ap.add_subparsers(dest="cmd")
+    c = sub.add_parser("config")
+    c.add_argument("dir")
+    c.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
+    for name in ("engine", "pair"):
+        e = sub.add_parser(name)
+        e.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+        e.add_argument("--context", type=int, default=1000)
+        e.add_argument("--repeats", type=int, default=5)
+        e.add_argument("--short", type=int, default=8)
+        e.add_argument("--long", type=int, default=136)
+        e.add_argument(
+            "--sampling", nargs="+", default=["greedy", "seeded"], choices=["greedy", "seeded"]
+        )
+        e.add_argument("--profile-steps", type=int, default=16)
+        e.add_argument("--kv-cache-dtype", default="auto")
+        e.add_argument("--max-model-len", type=int, default=8192)
+        e.add_argument("--max-num-seqs", type=int, default=0)
+        if name == "engine":
+            e.add_argument("--model", required=True)
+            e.add_argument("--variant", default="on")
+            e.add_argument("--out", default=None)
+        else:
+            e.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
+            e.add_argument("--order", default="off,on")
+            e.add_argument("--out-dir", required=True)
+            e.add_argument("--tag", default="run")
+            e.add_argument("--cache-root", default=None)
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    if args.smoke:
+        smoke()
+    elif args.cmd == "config":
+        print(write_model(Path(args.dir), args.shard))
+    elif args.cmd == "engine":
+        engine_main(args)
+    elif args.cmd == "pair":
+        pair_main(args)
+    elif args.cmd == "table":
+        runs = load_runs(args.files)
+        print(table(runs))
+        print()
+        print(compare(runs))
+    else:
+        ap.print_help()
+
+
+if __name__ == "__main__":
+    main()
