@@ -200,3 +200,55 @@ def test_op_arguments_pack_and_unpack(device, case):
         assert back.w_uk_t is w
     else:
         assert back.w_uk_t.data is w.data and back.w_uk_t.scale is w.scale
+
+
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_rope_tables_as_views_of_the_engine_cache(device, is_neox):
+    """An engine's one ``[max_position, R]`` cos_sin_cache, split into views (no copy, rows of
+    stride R) by :func:`fusemla.rope.split_cos_sin_cache`, as the vLLM plugin passes it: the
+    kernel gives the bytes it gives with contiguous ``[max_position, R/2]`` tables."""
+    from fusemla.rope import split_cos_sin_cache
+
+    inp = make_inputs(
+        7, **_dims(device, 4), num_decode_tokens=4, device=device, generator=_gen("views", is_neox)
+    )
+    engine_cache = torch.cat((inp.cos_cache, inp.sin_cache), dim=-1)
+    cos_v, sin_v = split_cos_sin_cache(engine_cache)
+    assert cos_v.data_ptr() == engine_cache.data_ptr() and not cos_v.is_contiguous()
+    outs = []
+    for cos, sin in ((inp.cos_cache, inp.sin_cache), (cos_v, sin_v)):
+        spec = fusemla.prologue_spec(inp.w_uk_t, cos, sin, is_neox=is_neox)
+        cache = inp.kv_cache.clone()
+        res = fusemla.mla_prologue_step(
+            spec,
+            inp.q_nope,
+            inp.q_pe,
+            inp.kv_c,
+            inp.k_pe,
+            inp.positions,
+            cache,
+            inp.slot_mapping,
+            num_decode_tokens=4,
+        )
+        outs.append((res, cache))
+    (a, cache_a), (b, cache_b) = outs
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert torch.equal(cache_a.view(torch.uint8), cache_b.view(torch.uint8))
+    # and the rotation is real: a wrong row stride would read other positions' angles
+    ref = fusemla.mla_prologue_ref(
+        inp.q_nope,
+        inp.q_pe,
+        inp.kv_c,
+        inp.k_pe,
+        inp.w_uk_t,
+        inp.positions,
+        inp.cos_cache,
+        inp.sin_cache,
+        inp.kv_cache.clone(),
+        inp.slot_mapping,
+        num_decode_tokens=4,
+        is_neox=is_neox,
+    )
+    assert torch.allclose(b.q_pe.float(), ref.q_pe.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(b.k_pe.float(), ref.k_pe.float(), atol=2e-2, rtol=2e-2)
