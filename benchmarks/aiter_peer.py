@@ -630,7 +630,9 @@ def self_test(device: str | None = None, configs: list[dict] | None = None) -> b
         print("AITER peer unavailable:", why)
         return False
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    from fusemla.config import interpreting
+
+    interp = interpreting()
     ok = True
     for fp8_cache in (False,) if interp else (False, True):
         for layout in ("aiter", "ours"):

@@ -571,7 +571,9 @@ def main(argv=None) -> int:
     print(estimate(a, modes), flush=True)
     if a.plan:
         return 0
-    if a.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+    from fusemla.config import interpreting
+
+    if a.smoke and not interpreting():
         print("--smoke runs the Triton interpreter: re-running with TRITON_INTERPRET=1", flush=True)
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from bench_core import (

@@ -124,7 +124,8 @@ def worker(args) -> None:
             engine.step()
         prof = None
         if profile and on_gpu:
-            from torch.profiler import ProfilerActivity, profile as tprofile
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as tprofile
 
             torch.cuda.synchronize()
             prof = tprofile(activities=[ProfilerActivity.CUDA])

@@ -87,7 +87,7 @@ def main() -> int:
         fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for i, (name, fn) in enumerate(calls):
+    for i, (_name, fn) in enumerate(calls):
         flush.fill_(i)
         fn()
     torch.cuda.synchronize()

@@ -24,7 +24,6 @@ peers included, is checked against the pure-PyTorch reference, so a bug there fa
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -103,9 +102,9 @@ def rotary_kernel(
 
 
 def _interpreting() -> bool:
-    import os
+    from fusemla.config import interpreting
 
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return interpreting()
 
 
 def rotary(positions, cos_cache, sin_cache, q_pe, k_pe, q_out, k_out, is_neox=False) -> None:

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_core import Bench, prologue_check  # noqa: E402
-from peers import weight_read, weight_read_programs  # noqa: E402
 from common import commit_id  # noqa: E402
 from layout_probe import runner  # noqa: E402
+from peers import weight_read, weight_read_programs  # noqa: E402
 
 import fusemla.ops.prologue.launch as launch_mod  # noqa: E402
 from fusemla.ops.prologue import configs  # noqa: E402

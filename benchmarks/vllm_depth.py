@@ -254,7 +254,6 @@ def _rpc_install(w) -> dict:
     }
     attn = {}
     try:
-        from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import MLAAttention  # noqa: F401
     except Exception:
         pass
@@ -759,13 +758,11 @@ def compare(runs: list) -> str:
     """On vs off per cell (same shard, B, context, cache dtype, sampling): the change of each
     measure in percent of off (negative: the plugin is faster), and whether both engines
     decoded the same tokens (then their MoE routing and expert traffic were the same)."""
-    key = lambda r, c: (
-        _shard(r),
-        c["batch"],
-        c["context"],  # noqa: E731
-        r.get("engine", {}).get("attention", {}).get("kv_cache_dtype"),
-        c["sampling"],
-    )
+
+    def key(r, c):
+        kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
+        return (_shard(r), c["batch"], c["context"], kv, c["sampling"])
+
     cells: dict = {}
     for r in runs:
         for c in r["cells"]:

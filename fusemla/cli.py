@@ -50,7 +50,7 @@ def _version(module: str) -> str:
     return str(getattr(mod, "__version__", "unknown"))
 
 
-def info_lines() -> list[str]:
+def info_lines(all_env: bool = False) -> list[str]:
     """What ``fusemla info`` prints: versions, the accelerator, the Triton mode, the platform."""
     from fusemla import __version__
 
@@ -77,7 +77,18 @@ def info_lines() -> list[str]:
     except Exception as exc:  # noqa: BLE001
         lines.append(f"GPU: unknown (torch failed: {type(exc).__name__}: {exc})")
     interp = os.environ.get("TRITON_INTERPRET")
-    lines.append("TRITON_INTERPRET: " + ("not set" if interp is None else repr(interp)))
+    try:
+        from fusemla.config import interpreting
+
+        seen = f" (Triton: {'interprets' if interpreting() else 'compiles'})"
+    except Exception:  # noqa: BLE001 - info reports, it never fails
+        seen = ""
+    lines.append("TRITON_INTERPRET: " + ("not set" if interp is None else repr(interp)) + seen)
+    # every FUSEMLA_* variable users set, with the value in force (fusemla.envs)
+    from fusemla import envs
+
+    lines.append("environment (fusemla.envs; python -m fusemla info --all-env adds the tests'):")
+    lines.extend("  " + line for line in envs.report(None if all_env else "library"))
     # what the kernels would see on the default device, and the variants they would pick
     try:
         from fusemla.platform import detect, report_lines
@@ -89,7 +100,7 @@ def info_lines() -> list[str]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    for line in info_lines():
+    for line in info_lines(all_env=getattr(args, "all_env", False)):
         print(line)
     return 0
 
@@ -401,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed for the inputs")
     demo.set_defaults(func=cmd_demo)
     info = sub.add_parser("info", help="versions, the accelerator, the Triton mode")
+    info.add_argument(
+        "--all-env", action="store_true", help="also the tests' and benchmarks' variables"
+    )
     info.set_defaults(func=cmd_info)
     return parser
 

@@ -13,7 +13,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-
 _YARN = dict(
     type="yarn",
     factor=40.0,

@@ -21,7 +21,6 @@ Triton is imported lazily, only for its version string.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass
 
@@ -429,15 +428,6 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _env_line(name: str, read) -> str:
-    raw = os.environ.get(name)
-    try:
-        mode = read()
-    except FuseMLAValueError as exc:
-        return f"{name}: INVALID ({exc})"
-    return f"{name}: {'not set' if raw is None else repr(raw)} -> {mode}"
-
-
 def report_lines(info: PlatformInfo) -> list[str]:
     """A human-readable report of ``info`` and the kernel variants it selects.
 
@@ -477,21 +467,9 @@ def report_lines(info: PlatformInfo) -> list[str]:
     except FuseMLAValueError as exc:
         path = f"error: {exc}"
     lines.append(f"  MXFP4 weights: {path}")
-    lines.append("  env: " + _env_line(config.MXFP4_PATH_ENV, config.mxfp4_path_mode))
     try:
         pdl = "on" if choose_pdl(info) else "off"
     except FuseMLAValueError as exc:
         pdl = f"error: {exc}"
     lines.append(f"  programmatic dependent launch: {pdl}")
-    lines.append("  env: " + _env_line(config.PDL_ENV, config.pdl_mode))
-    lines.append(
-        "  env: "
-        + _env_line(config.FUSED_DECODE_ENV, config.fused_decode)
-        + " (MLAAttention: fused decode prologue)"
-    )
-    lines.append(
-        "  env: "
-        + _env_line(config.FUSED_PREFILL_ENV, config.fused_prefill)
-        + " (MLAAttention: fused prefill prologue)"
-    )
     return lines

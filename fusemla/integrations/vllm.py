@@ -34,7 +34,7 @@ Every vLLM internal it touches goes through the adapter of the running vLLM mino
 :func:`fusemla.ops.prologue.halves.split_halves`, the same function :class:`fusemla.MLAAttention`
 uses.
 
-``FUSEMLA_VLLM_W_UK`` (default ``auto``: the weight vLLM holds, bf16/fp16) chooses the W_UK_T the
+``FUSEMLA_VLLM_W_UK`` (default ``as-is``: the weight vLLM holds, bf16/fp16) chooses the W_UK_T the
 fused decode BMM reads: ``fp8`` quantizes vLLM's W_UK_T to FP8 per head (once per layer, at its
 first fused step, and again if vLLM replaces or reloads the weight) and runs FP8 weights with
 the activations as they are; ``fp8xfp8`` also quantizes the activations in the kernel
@@ -47,14 +47,13 @@ Importing this module does not import vLLM; :func:`register` does.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import Counter
 
 import torch
 
-from fusemla.config import env_switch, fused_decode, fused_prefill
-from fusemla.errors import FuseMLAValueError
+from fusemla import envs
+from fusemla.config import fused_decode, fused_prefill
 from fusemla.integrations.vllm_adapters import ADAPTERS, VllmAdapter, adapter_for
 
 __all__ = ["register", "stats", "reset_stats", "SUPPORTED_VLLM", "OP_NAME", "w_uk_mode"]
@@ -63,7 +62,7 @@ SUPPORTED_VLLM = tuple(ADAPTERS)  # the vLLM minor versions with an adapter ("0.
 OP_NAME = "fusemla::vllm_mla_attention"
 ENV_SWITCH = "FUSEMLA_VLLM"
 W_UK_ENV = "FUSEMLA_VLLM_W_UK"
-W_UK_MODES = ("auto", "fp8", "fp8xfp8")
+W_UK_MODES = ("as-is", "fp8", "fp8xfp8")
 
 logger = logging.getLogger("vllm.fusemla")  # replaced by vLLM's own logger in register()
 
@@ -71,17 +70,15 @@ _lock = threading.Lock()
 _registered = False  # register() succeeded in this process
 _logged: set[str] = set()
 _stats: Counter = Counter()
-_layers: dict[str, "_LayerState"] = {}  # attention layer name -> state (read by the op)
+_layers: dict[str, _LayerState] = {}  # attention layer name -> state (read by the op)
 _wrapper_cls: type | None = None
 _adapter: VllmAdapter | None = None  # the running vLLM's, set by register()
 
 
 def w_uk_mode() -> str:
-    """``FUSEMLA_VLLM_W_UK``: "auto" (default), "fp8" or "fp8xfp8"; read when layers are built."""
-    raw = os.environ.get(W_UK_ENV, "").strip().lower() or "auto"
-    if raw not in W_UK_MODES:
-        raise FuseMLAValueError(f"{W_UK_ENV}: expected one of {W_UK_MODES}, got {raw!r}")
-    return raw
+    """``FUSEMLA_VLLM_W_UK``: "as-is" (default), "fp8" or "fp8xfp8"; read when layers are
+    built. The old spelling "auto" raises, naming "as-is"."""
+    return envs.get(W_UK_ENV)
 
 
 def _log_once(level: int, msg: str, *args) -> None:
@@ -140,7 +137,7 @@ def register() -> None:
                 logger.disabled = False  # a dictConfig after our import may have disabled it
             except ImportError:  # pragma: no cover
                 pass
-        if not env_switch(ENV_SWITCH, True):
+        if not envs.get(ENV_SWITCH):
             _log_once(logging.INFO, "fusemla: %s=0, vLLM's MLA path is left untouched", ENV_SWITCH)
             return
         if adapter is None:
@@ -222,9 +219,9 @@ FORCE_ENV = "FUSEMLA_VLLM_FORCE_BACKENDS"
 
 def _forced_backends() -> set[str]:
     """Backends named in ``FUSEMLA_VLLM_FORCE_BACKENDS`` (comma-separated): run fused even
-    where :data:`UNVERIFIED_FULL_GRAPH_BACKENDS` lists them (for diagnosis and tests only)."""
-    raw = os.environ.get(FORCE_ENV, "")
-    return {b.strip().upper() for b in raw.split(",") if b.strip()}
+    where :data:`UNVERIFIED_FULL_GRAPH_BACKENDS` lists them (for diagnosis and tests only).
+    A name it does not know raises, naming the ones it does (:mod:`fusemla.envs`)."""
+    return set(envs.get(FORCE_ENV))
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -243,7 +240,7 @@ class _LayerState:
     """What the op needs of one MLA layer (a plain object: not an nn.Module, no cycles)."""
 
     def __init__(
-        self, adapter: VllmAdapter, wrapper, fused_dec: bool, fused_pre: bool, w_uk: str = "auto"
+        self, adapter: VllmAdapter, wrapper, fused_dec: bool, fused_pre: bool, w_uk: str = "as-is"
     ):
         self.ad = adapter
         self.attn = adapter.attention(wrapper)  # vLLM's MLAAttention (weights, cache, impl)
@@ -278,7 +275,7 @@ class _LayerState:
         if key != self._spec_key:
             from fusemla.rope import split_cos_sin_cache
 
-            if self.w_uk == "auto":
+            if self.w_uk == "as-is":
                 # vLLM keeps W_UK_T as a permuted view [H, P, L] of W_UK [L, H, P] (stride 1
                 # along P): the kernel reads it as it is, no copy (any other layout: one copy)
                 w_fused = w if weight_layout_readable(w) else w.contiguous()

@@ -117,7 +117,8 @@ def unpack(ins: list, outs: list, ints: list, floats: list, w_format: str) -> Pr
 
 @torch.library.custom_op("fusemla::mla_prologue", mutates_args=("outs",))
 def mla_prologue_op(
-    ins: list[Optional[torch.Tensor]],
+    # typing.Optional, not "X | None": torch.library infers the op's schema from it
+    ins: list[Optional[torch.Tensor]],  # noqa: UP045
     outs: list[torch.Tensor],
     ints: list[int],
     floats: list[float],

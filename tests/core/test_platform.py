@@ -15,11 +15,11 @@ from fusemla import platform as plat
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.platform import (
     PlatformInfo,
-    choose_prologue_variant,
-    mxfp4_tiles_fit,
     choose_mxfp4_path,
+    choose_prologue_variant,
     default_fp8_weight_dtype,
     detect,
+    mxfp4_tiles_fit,
     platform_from,
     report_lines,
 )
@@ -379,7 +379,10 @@ def test_detect_rejects_bad_devices(monkeypatch, device, exc, match):
 
 
 def _report(info: PlatformInfo) -> str:
-    lines = report_lines(info)
+    """The platform report and the environment table, as ``fusemla info`` prints them."""
+    from fusemla import envs
+
+    lines = report_lines(info) + envs.report()
     assert all(isinstance(line, str) for line in lines)
     return "\n".join(lines)
 
@@ -392,7 +395,7 @@ def test_report_h200():
     assert "FP8 weights: upcast to the activations' dtype (bf16/fp16) in registers" in text
     assert "pick a weight format for memory, not prologue speed" in text
     assert "MXFP4 weights: dequant" in text
-    assert "FUSEMLA_MXFP4_PATH: not set -> auto" in text
+    assert "FUSEMLA_MXFP4_PATH: not set -> 'auto'" in text
 
 
 def test_report_mi300_with_overrides(monkeypatch):
@@ -400,7 +403,7 @@ def test_report_mi300_with_overrides(monkeypatch):
     text = _report(platform_from("rocm", "gfx942", "AMD Instinct MI300X"))
     assert "float8_e4m3fnuz" in text
     assert "FP8 weights: upcast to the activations' dtype" in text
-    assert "FUSEMLA_MXFP4_PATH: 'dequant' -> dequant" in text
+    assert "FUSEMLA_MXFP4_PATH: 'dequant' -> 'dequant'" in text
 
 
 def test_report_never_raises_on_bad_env(monkeypatch):
@@ -500,7 +503,7 @@ def test_prologue_variant_mxfp4(monkeypatch):
 def test_report_shows_the_layer_flags(monkeypatch):
     monkeypatch.setenv("FUSEMLA_FUSED_PREFILL", "off")
     monkeypatch.setenv("FUSEMLA_FUSED_DECODE", "maybe")
-    text = "\n".join(report_lines(H200()))
+    text = _report(H200())
     assert "FUSEMLA_FUSED_PREFILL: 'off' -> False" in text
     assert "FUSEMLA_FUSED_DECODE: INVALID" in text  # reported, never raised
 

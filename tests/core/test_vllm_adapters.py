@@ -101,13 +101,27 @@ def test_w_uk_mode(monkeypatch):
     from fusemla.integrations.vllm import w_uk_mode
 
     monkeypatch.delenv("FUSEMLA_VLLM_W_UK", raising=False)
-    assert w_uk_mode() == "auto"
-    for v, want in (("fp8", "fp8"), (" FP8xFP8 ", "fp8xfp8"), ("auto", "auto")):
+    assert w_uk_mode() == "as-is"
+    for v, want in (("fp8", "fp8"), (" FP8xFP8 ", "fp8xfp8"), ("as-is", "as-is"), ("", "as-is")):
         monkeypatch.setenv("FUSEMLA_VLLM_W_UK", v)
         assert w_uk_mode() == want
     monkeypatch.setenv("FUSEMLA_VLLM_W_UK", "int8")
-    with pytest.raises(FuseMLAValueError, match="FUSEMLA_VLLM_W_UK.*int8"):
+    with pytest.raises(FuseMLAValueError, match="FUSEMLA_VLLM_W_UK.*as-is, fp8, fp8xfp8.*int8"):
         w_uk_mode()
+    monkeypatch.setenv("FUSEMLA_VLLM_W_UK", "auto")  # the old name of as-is: told the new one
+    with pytest.raises(FuseMLAValueError, match="FUSEMLA_VLLM_W_UK.*'auto' is now called 'as-is'"):
+        w_uk_mode()
+
+
+def test_forced_backends_typo_raises(monkeypatch):
+    from fusemla.errors import FuseMLAValueError
+    from fusemla.integrations.vllm import UNVERIFIED_FULL_GRAPH_BACKENDS, _forced_backends
+
+    monkeypatch.setenv("FUSEMLA_VLLM_FORCE_BACKENDS", " flashmla ,")
+    assert _forced_backends() == {"FLASHMLA"} == set(UNVERIFIED_FULL_GRAPH_BACKENDS)
+    monkeypatch.setenv("FUSEMLA_VLLM_FORCE_BACKENDS", "FLASHMLA,FLASH_MLA")
+    with pytest.raises(FuseMLAValueError, match="FORCE_BACKENDS.*FLASHMLA.*'flash_mla' unknown"):
+        _forced_backends()
 
 
 @pytest.mark.parametrize("N,D", [(0, 0), (5, 0), (5, 5), (7, 3)])
@@ -185,8 +199,7 @@ def test_spec_prebuilt_once_and_rope_tables_shared(monkeypatch):
     # vLLM's W_UK_T: a permuted view of W_UK [L, H, P]
     w = torch.randn(L, H, P, dtype=torch.bfloat16).permute(1, 2, 0)
     states = [
-        plugin._LayerState(_FakeAdapter(), _layer(f"l{i}", rotary, w), True, True)
-        for i in range(3)
+        plugin._LayerState(_FakeAdapter(), _layer(f"l{i}", rotary, w), True, True) for i in range(3)
     ]
     for st in states:
         st.prebuild()

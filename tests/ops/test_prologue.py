@@ -552,7 +552,7 @@ def test_cuda_graph_replay_reads_new_inputs_and_scale(device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         inp.run(mla_prologue, **outs)
-    for step in range(3):
+    for _step in range(3):
         fresh = make_inputs(N, **_dims(device, 16), generator=g, pad_fraction=0.3, **kw)
         for name in (
             "q_nope",

@@ -95,7 +95,10 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
     wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
-    want = lambda g: groups is None or g in groups
+
+    def want(g):
+        return groups is None or g in groups
+
     specs = [
         _spec(HALF_MODEL, "off-eager", False),
         _spec(HALF_MODEL, "noise-eager", False, inject=f"noise:{NOISE}"),

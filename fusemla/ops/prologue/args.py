@@ -19,14 +19,14 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 
 from fusemla.dtypes import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES, ROPE_DTYPES
 from fusemla.errors import FuseMLATypeError, FuseMLAValueError, describe
 
-Scale = Union[float, torch.Tensor, None]
+Scale = float | torch.Tensor | None
 
 
 class PrologueOutput(NamedTuple):
