@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import CheckFailed, time_eager, time_graph  # noqa: E402
 from peers import EnginePrologue, make_compiled_body  # noqa: E402
 
+from fusemla.contracts.prologue import prepare  # noqa: E402
 from fusemla.ops.prologue.api import mla_decode_prologue  # noqa: E402
-from fusemla.ops.prologue.args import prepare  # noqa: E402
 from fusemla.ops.prologue.launch import launch  # noqa: E402
 from fusemla.quant import quantize_fp8_weight, quantize_mxfp4_weight  # noqa: E402
 from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref  # noqa: E402

@@ -41,8 +41,8 @@ from bench_core import (  # noqa: E402
 )
 from common import commit_id  # noqa: E402
 
+from fusemla.contracts.prologue import prepare  # noqa: E402
 from fusemla.ops.prologue import configs  # noqa: E402
-from fusemla.ops.prologue.args import prepare  # noqa: E402
 from fusemla.ops.prologue.launch import launch  # noqa: E402
 from fusemla.quant import QuantizedWeight  # noqa: E402
 from fusemla.testing.inputs import DEEPSEEK_V3  # noqa: E402

@@ -292,7 +292,7 @@ def make_compiled_body():
     outside the timed graph here, as an engine validates at setup), so the compiled graph holds
     only the four steps an unfused engine path runs. (The JSON of commit 90e81b4 was taken with
     this body; ``prepare()`` itself keeps the batch dim dynamic since 42d3a20.)"""
-    from fusemla.ops.prologue.args import PrologueArgs, PrologueSpec
+    from fusemla.contracts.prologue import PrologueArgs, PrologueSpec
     from fusemla.reference.prologue import prologue_into
 
     def body(

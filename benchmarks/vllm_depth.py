@@ -32,6 +32,7 @@ wide, dense 18432, vocab 129280). No collectives run (one GPU), DeepGEMM off.
     python benchmarks/vllm_depth.py config DIR --shard tp8              # the model directory
     python benchmarks/vllm_depth.py engine --model DIR --variant on --batches 1 32 --out X.json
     python benchmarks/vllm_depth.py pair --shard tp8 --order off,on --out-dir D   # one engine after the other
+    python benchmarks/vllm_depth.py latency --shard tp8 --batches 1 32 --out-dir D   # vllm bench latency
     python benchmarks/vllm_depth.py table D/*.json                      # the results table
     python benchmarks/vllm_depth.py --smoke                             # vLLM's CPU build, tiny model
 """
@@ -693,6 +694,55 @@ def pair_main(args) -> None:
         os.system(f"grep '^\\[depth\\]' {out_dir / f'{tag}.log'} | tail -40")
 
 
+def latency_main(args) -> None:
+    """vLLM's own ``vllm bench latency`` (dummy load, ``--num-iters``), plugin off and on, one
+    engine after the other (``--order``), so a user can reproduce the headline with the tool
+    they know. Its latency is one whole ``generate`` of B requests (prefill of ``--input-len``
+    tokens + ``--output-len`` decode steps); its prompts repeat across iterations, so prefix
+    caching serves every prefill after the first (as it does for the tool's users)."""
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = write_model(out_dir / f"model_{args.shard}", args.shard)
+    cache_root = Path(args.cache_root or out_dir / "vllm_cache")
+    rows = []
+    for b in args.batches:
+        for i, variant in enumerate(args.order.split(",")):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEMLA_")}
+            env.update(
+                FUSEMLA_VLLM="0" if variant == "off" else "1",
+                PYTHONUNBUFFERED="1",
+                VLLM_CACHE_ROOT=str(cache_root),
+                VLLM_USE_DEEP_GEMM="0",
+            )
+            tag = f"latency_{args.shard}_{args.tag}_B{b}_{i}{variant}"
+            js = out_dir / f"{tag}.json"
+            cmd = [
+                sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "latency",
+                "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+                "--disable-detokenize", "--input-len", str(args.input_len),
+                "--output-len", str(args.output_len), "--batch-size", str(b),
+                "--num-iters", str(args.num_iters), "--num-iters-warmup", "1",
+                "--max-model-len", str(args.max_model_len), "--output-json", str(js),
+            ]  # fmt: skip
+            if args.shard == "smoke":  # vLLM's CPU build
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+                cmd += ["--enforce-eager", "--gpu-memory-utilization", "0.3",
+                        "--attention-backend", "CPU_MLA"]  # fmt: skip
+            print(f"[depth] starting {tag}", flush=True)
+            t0 = time.time()
+            with open(out_dir / f"{tag}.log", "w") as log:
+                rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            row = {"batch": b, "variant": variant, "rc": rc, "wall_s": round(time.time() - t0)}
+            if js.exists():
+                r = json.loads(js.read_text())
+                row.update(avg_latency_s=r.get("avg_latency"), latencies_s=r.get("latencies"))
+            rows.append(row)
+            print(f"[depth] {tag}: {json.dumps(row)}", flush=True)
+            (out_dir / f"latency_{args.shard}_{args.tag}.json").write_text(
+                json.dumps({"command": "vllm bench latency", "rows": rows}, indent=1)
+            )
+
+
 def load_runs(paths) -> list:
     runs = []
     for p in paths:
@@ -873,6 +923,17 @@ def main() -> None:
             e.add_argument("--out-dir", required=True)
             e.add_argument("--tag", default="run")
             e.add_argument("--cache-root", default=None)
+    lat = sub.add_parser("latency", help="vLLM's own `vllm bench latency`, off and on")
+    lat.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
+    lat.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    lat.add_argument("--order", default="off,on")
+    lat.add_argument("--input-len", type=int, default=1000)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--max-model-len", type=int, default=8192)
+    lat.add_argument("--out-dir", required=True)
+    lat.add_argument("--tag", default="run")
+    lat.add_argument("--cache-root", default=None)
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = ap.parse_args()
@@ -884,6 +945,8 @@ def main() -> None:
         engine_main(args)
     elif args.cmd == "pair":
         pair_main(args)
+    elif args.cmd == "latency":
+        latency_main(args)
     elif args.cmd == "table":
         runs = load_runs(args.files)
         print(table(runs))

@@ -21,11 +21,11 @@ _LAZY = {
     "mla_decode_prologue": "fusemla.ops.prologue.api",
     "mla_prologue_step": "fusemla.ops.prologue.api",
     "prologue_spec": "fusemla.ops.prologue.api",
-    "PrologueSpec": "fusemla.ops.prologue.args",
+    "PrologueSpec": "fusemla.contracts.prologue",
     "mla_prologue_step_ref": "fusemla.reference.prologue",
     "mla_prologue_ref": "fusemla.reference.prologue",
     "mla_decode_prologue_ref": "fusemla.reference.prologue",
-    "PrologueOutput": "fusemla.ops.prologue.args",
+    "PrologueOutput": "fusemla.contracts.prologue",
     "MLAAttention": "fusemla.layers.mla",
     "MLAConfig": "fusemla.config",
     "BatchMetadata": "fusemla.metadata",
@@ -35,6 +35,7 @@ __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
     from fusemla.config import MLAConfig
+    from fusemla.contracts.prologue import PrologueOutput, PrologueSpec
     from fusemla.layers.mla import MLAAttention
     from fusemla.metadata import BatchMetadata
     from fusemla.ops.prologue.api import (
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
         mla_prologue_step,
         prologue_spec,
     )
-    from fusemla.ops.prologue.args import PrologueOutput, PrologueSpec
     from fusemla.reference.prologue import (
         mla_decode_prologue_ref,
         mla_prologue_ref,

@@ -260,10 +260,10 @@ class _LayerState:
     # -- the layer's prologue spec (rebuilt when vLLM replaces or reloads a source tensor)
 
     def spec(self, fp8_query: tuple[torch.dtype, torch.Tensor] | None):
-        """The :class:`~fusemla.ops.prologue.args.PrologueSpec` of this layer: W_UK_T (vLLM's
+        """The :class:`~fusemla.contracts.prologue.PrologueSpec` of this layer: W_UK_T (vLLM's
         own tensor, or quantized per ``FUSEMLA_VLLM_W_UK``), the split RoPE tables and
         the decode query's format (``fp8_query``: FP8 dtype and scale, or None)."""
-        from fusemla.ops.prologue.args import build_spec, weight_layout_readable
+        from fusemla.contracts.prologue import build_spec, weight_layout_readable
 
         w = self.ad.w_uk_t(self.attn)
         cache = self.ad.cos_sin_cache(self.rotary_emb)

@@ -554,11 +554,11 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's only RoPE and cache write: ``(q [D, H, L+R], rotated q_pe [N-D, H, R])``.
 
-        The layer's :class:`~fusemla.ops.prologue.args.PrologueSpec` is built per call (cheap host
+        The layer's :class:`~fusemla.contracts.prologue.PrologueSpec` is built per call (cheap host
         checks; under torch.compile at trace time), so a reloaded weight is never stale; the
         batch is cut by :func:`~fusemla.ops.prologue.halves.split_halves` (the flags)."""
+        from fusemla.contracts.prologue import build_spec
         from fusemla.ops.prologue.api import mla_prologue_step
-        from fusemla.ops.prologue.args import build_spec
         from fusemla.ops.prologue.halves import split_halves
         from fusemla.reference.prologue import mla_prologue_step_ref
 

@@ -8,7 +8,7 @@ the KV cache. The public functions (:func:`fusemla.mla_prologue`, :func:`fusemla
 validate their arguments once, on the host, then either run eagerly or, while compiling, call the
 op registered here; the op's implementation does not validate again.
 
-The op takes a validated :class:`~fusemla.ops.prologue.args.PrologueArgs` flattened into five
+The op takes a validated :class:`~fusemla.contracts.prologue.PrologueArgs` flattened into five
 fields (:func:`pack` / :func:`unpack`, the one place that knows the order): the tensors it reads,
 the tensors it writes, its ints, its floats and the weight format.
 """
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from fusemla.ops.prologue.args import PrologueArgs, PrologueSpec, split_scale
+from fusemla.contracts.prologue import PrologueArgs, PrologueSpec, split_scale
 
 #: the read tensors, in :func:`pack`'s order (None where absent: a plain weight's scale, float
 #: scales passed by value)

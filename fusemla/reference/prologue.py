@@ -14,14 +14,14 @@ import inspect
 
 import torch
 
-from fusemla.dtypes import FP8_DTYPES, fp8_max
-from fusemla.ops.prologue.args import (
+from fusemla.contracts.prologue import (
     PrologueArgs,
     PrologueOutput,
     PrologueSpec,
     prepare,
     prepare_step,
 )
+from fusemla.dtypes import FP8_DTYPES, fp8_max
 from fusemla.rope import apply_rope
 
 
@@ -150,7 +150,7 @@ def prologue_into(args: PrologueArgs) -> None:
 
 def mla_prologue_ref(*args, **kwargs) -> PrologueOutput:
     """Unfused reference of :func:`fusemla.mla_prologue`: the same arguments (checked by the
-    same :func:`~fusemla.ops.prologue.args.prepare`) and the same result."""
+    same :func:`~fusemla.contracts.prologue.prepare`) and the same result."""
     a = prepare(*args, **kwargs)
     prologue_into(a)
     return a.outputs

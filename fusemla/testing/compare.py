@@ -114,7 +114,7 @@ def compare(
 ) -> Comparison:
     """Check a fused result against the reference's on the same inputs.
 
-    ``out`` / ``out_ref``: a :class:`~fusemla.ops.prologue.args.PrologueOutput` (or just the
+    ``out`` / ``out_ref``: a :class:`~fusemla.contracts.prologue.PrologueOutput` (or just the
     decode query ``q``). ``cache_before``: the cache both started from. ``w_uk_t``: the weight
     both ran with when it differs from ``inp.w_uk_t`` (a QuantizedWeight). ``fp8_code_slack``:
     FP8 codes the rope part of a cache row may differ by (None: 1 on a GPU, 0 on the CPU).

@@ -436,8 +436,8 @@ def test_bad_input_raises_before_writing(device, case):
 def test_validates_once_per_call_under_torch_compile(device, monkeypatch):
     """fullgraph compile sees one opaque op; validation runs once, at trace time: the op's
     implementation, which runs at every compiled call, never validates again."""
+    from fusemla.contracts import prologue as args_mod
     from fusemla.ops.prologue import api
-    from fusemla.ops.prologue import args as args_mod
 
     runtime_validations = []
 

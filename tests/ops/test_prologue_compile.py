@@ -1,6 +1,6 @@
 """torch.compile keeps the prologue's batch dimension dynamic: one compile for every batch size.
 
-The prologue's argument checks (:func:`fusemla.ops.prologue.args.prepare`, and the layer's own
+The prologue's argument checks (:func:`fusemla.contracts.prologue.prepare`, and the layer's own
 checks) run while dynamo traces. Formatting a symbolic size into a string (an error message built
 eagerly, ``f"[N={N}]"``) makes dynamo specialize it to a constant: a compiled caller then
 recompiled for every batch size, and raised ConstraintViolationError when the batch dim was

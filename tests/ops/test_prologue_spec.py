@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import fusemla
+from fusemla.contracts.prologue import PrologueSpec, prepare
 from fusemla.errors import FuseMLATypeError, FuseMLAValueError
 from fusemla.ops.custom_ops import pack, unpack
-from fusemla.ops.prologue.args import PrologueSpec, prepare
 from fusemla.quant import quantize_fp8_weight
 from fusemla.testing import DEEPSEEK_V3, SMALL_DIMS, make_inputs, stable_seed
 

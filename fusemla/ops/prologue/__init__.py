@@ -1,7 +1,7 @@
 """The fused MLA prologue: ``kernel`` (Triton), ``configs`` (tiles), ``args`` (argument record
 and host checks), ``launch`` (one launch), ``api`` (the public functions).
 
-Submodules are imported lazily, so importing :mod:`fusemla.ops.prologue.args` (as the reference
+Submodules are imported lazily, so importing :mod:`fusemla.contracts.prologue` (as the reference
 does) imports neither Triton nor the kernel.
 """
 

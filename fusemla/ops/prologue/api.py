@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fusemla.ops.prologue.args import (
+from fusemla.contracts.prologue import (
     PrologueArgs,
     PrologueOutput,
     PrologueSpec,
@@ -84,7 +84,7 @@ def mla_prologue(
     (activations' dtype, unquantized); pass ``q_pe_out=q_pe[D:]`` to rotate in place. Positions
     outside the RoPE cache are clamped to its ends.
 
-    Returns :class:`~fusemla.ops.prologue.args.PrologueOutput` ``(q [D, H, L + R],
+    Returns :class:`~fusemla.contracts.prologue.PrologueOutput` ``(q [D, H, L + R],
     q_pe [N - D, H, R], k_pe [N - D, R])``, the given ``out`` / ``q_pe_out`` / ``k_pe_out``
     where passed.
 

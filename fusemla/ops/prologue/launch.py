@@ -1,7 +1,7 @@
 """The prologue launcher: validated arguments -> one kernel launch (or the CPU fallback).
 
 :func:`run` is what both the eager path and the registered custom op call; it never validates
-(that happened once, in :func:`fusemla.ops.prologue.args.prepare`).
+(that happened once, in :func:`fusemla.contracts.prologue.prepare`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 import triton
 
 from fusemla import config, platform
+from fusemla.contracts.prologue import PrologueArgs, check_device_values, split_scale
 from fusemla.dtypes import fp8_code
 from fusemla.errors import FuseMLATypeError, describe
 from fusemla.ops.prologue import configs
-from fusemla.ops.prologue.args import PrologueArgs, check_device_values, split_scale
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
 
 
