@@ -376,17 +376,8 @@ def sweep_rows(b: Bench, a) -> None:
         if aborted:
             break
         layers = b.inputs(B, H, torch.bfloat16, seed=5000 + H + B)
-        bucket = configs.batch_bucket(B)  # the config the launcher itself would pick
-        base_cfg = configs.launch_config(
-            H,
-            P,
-            R,
-            L,
-            b.backend,
-            bucket == "small",
-            large=bucket == "large",
-            w_format="plain" if fmt == "bf16" else fmt,
-        )
+        # the config the launcher itself would pick
+        _, base_cfg = configs.tiles(H, P, R, L, B, b.backend, "plain" if fmt == "bf16" else fmt)
         # (fp8xfp8 tiles fall back to fp8's until the table has their own: configs.py)
         space = sweep_space(H, B, fmt)
         if b.smoke:

@@ -118,16 +118,7 @@ def main() -> int:
         # fp8xfp8 above the small bucket: known slow (0e54a86), not the question here
         fmts = [f for f in a.formats if bucket == "small" or f != "fp8xfp8"]
         for fmt, layout in itertools.product(fmts, ("l", "k")):
-            base = configs.launch_config(
-                H,
-                P,
-                R,
-                L,
-                "cuda",
-                bucket == "small",
-                large=bucket == "large",
-                w_format="plain" if fmt == "bf16" else fmt,
-            )
+            _, base = configs.tiles(H, P, R, L, B, "cuda", "plain" if fmt == "bf16" else fmt)
             for i, o in enumerate([{}] + grid(B)):
                 cfg = {**base, **o}
                 key = dict(

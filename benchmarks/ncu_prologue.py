@@ -45,7 +45,6 @@ def main() -> int:
         out_path=None,
     )
     x = b.inputs(B, H, torch.bfloat16, seed=11)[0]
-    bucket = configs.batch_bucket(B)
     calls = []
     for fmt, layout in (
         ("bf16", "l"),
@@ -55,16 +54,7 @@ def main() -> int:
         ("fp8xfp8", "l"),
         ("fp8xfp8", "k"),
     ):
-        cfg = configs.launch_config(
-            H,
-            P,
-            R,
-            L,
-            "cuda",
-            bucket == "small",
-            large=bucket == "large",
-            w_format="plain" if fmt == "bf16" else fmt,
-        )
+        _, cfg = configs.tiles(H, P, R, L, B, "cuda", "plain" if fmt == "bf16" else fmt)
         out = torch.empty(B, H, L + R, dtype=torch.bfloat16, device="cuda")
         calls.append((f"fused {fmt}/{layout}", runner(x, out, fmt, layout, cfg).run))
     import aiter_peer as ap

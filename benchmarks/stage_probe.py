@@ -71,8 +71,8 @@ def main() -> int:
             for stage in a.stages:
                 c = cfg
 
-                def plan(args, backend, cfg=None, stage=stage):
-                    p = real_plan(args, backend, cfg)
+                def plan(args, info=None, cfg=None, stage=stage):
+                    p = real_plan(args, info, cfg)
                     if stage == "bmm_only":
                         return dataclasses.replace(p, n_rope_d=0, n_rope_p=0, n_cache=0)
                     if stage == "aux_only":

@@ -161,6 +161,19 @@ def launch_config(
     return cfg
 
 
+def tiles(
+    H: int, P: int, R: int, L: int, num_decode_tokens: int, backend: str, tile_format: str
+) -> tuple[str, dict]:
+    """``(bucket, tiles)`` for a batch of ``num_decode_tokens`` decode tokens: the one place
+    the batch's bucket picks its tiles (the launcher's plan and every benchmark call it).
+    ``tile_format``: "plain", "fp8", "fp8xfp8" or "mxfp4"."""
+    bucket = batch_bucket(num_decode_tokens)
+    cfg = launch_config(
+        H, P, R, L, backend, bucket == "small", large=bucket == "large", w_format=tile_format
+    )
+    return bucket, cfg
+
+
 @contextlib.contextmanager
 def override(**keys: Any) -> Iterator[None]:
     """Replace config keys (e.g. ``BLOCK_L=32, programs_per_sm=0``) inside a ``with`` block."""

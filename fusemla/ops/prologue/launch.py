@@ -39,24 +39,10 @@ def weight_format(w: object) -> str:
 
 
 def tile_format(args: PrologueArgs) -> str:
-    """The format key of the tile tables (:func:`fusemla.ops.prologue.configs.launch_config`):
-    the weight format, or "fp8xfp8" for FP8 weights with ``act_quant="fp8"``."""
+    """The format key of the tile tables (:func:`fusemla.ops.prologue.configs.tiles`): the
+    weight format, or "fp8xfp8" for FP8 weights with ``act_quant="fp8"``."""
     fmt = weight_format(args.w_uk_t)
     return "fp8xfp8" if args.act_quant == "fp8" else fmt
-
-
-def variant_for(
-    args: PrologueArgs, cfg: dict, info: platform.PlatformInfo | None = None
-) -> platform.PrologueVariant:
-    """The kernel variant these arguments run (the single decision in
-    :func:`fusemla.platform.choose_prologue_variant`)."""
-    return platform.choose_prologue_variant(
-        info or platform.detect(args.q_nope.device),
-        weight_format=weight_format(args.w_uk_t),
-        P=args.P,
-        L=args.L,
-        block_l=cfg["BLOCK_L"],
-    )
 
 
 def _check_formats(args: PrologueArgs, backend: str) -> None:
@@ -75,9 +61,19 @@ def _check_formats(args: PrologueArgs, backend: str) -> None:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What one launch runs: the tile config and the program counts of each phase of the flat
-    grid (BMM programs, decode RoPE, prefill RoPE, cache programs)."""
+    """Everything one launch runs, decided in one place (:func:`plan`): the backend, the
+    weight / activation / tile formats, the batch's tile bucket and tiles, the kernel variant,
+    programmatic dependent launch, the interpreter's upcasts, every constexpr the kernel takes
+    (:attr:`constexprs`) and the program counts of each phase of the flat grid (BMM programs,
+    decode RoPE, prefill RoPE, cache programs)."""
 
+    backend: str  # "cuda", "rocm" or "interpreter"
+    weight_format: str  # "plain", "fp8" or "mxfp4"
+    act_quant: str | None  # None or "fp8" (FP8 x FP8 dot)
+    tile_format: str  # the tile tables' key: weight_format, or "fp8xfp8"
+    bucket: str  # "small", "medium" or "large" (by the decode token count)
+    variant: platform.PrologueVariant
+    pdl: bool  # programmatic dependent launch
     cfg: dict
     bmm_items: int  # (head, L-tile, token-tile) work items
     n_bmm: int  # BMM programs (fewer than items when persistent)
@@ -86,29 +82,70 @@ class LaunchPlan:
     n_rope_d: int
     n_rope_p: int
     n_cache: int
+    #: the kernel's constexprs (formats, tiles, flags) and its launch options
+    constexprs: dict
 
     @property
     def grid(self) -> tuple[int]:
         return (self.n_bmm + self.n_rope_d + self.n_rope_p + self.n_cache,)
 
 
-def plan(args: PrologueArgs, backend: str, cfg: dict | None = None) -> LaunchPlan:
-    """The :class:`LaunchPlan` :func:`launch` runs for ``args`` (``cfg`` overrides the tiles)."""
+def plan(
+    args: PrologueArgs, info: platform.PlatformInfo | None = None, cfg: dict | None = None
+) -> LaunchPlan:
+    """The :class:`LaunchPlan` :func:`launch` runs for ``args`` on its device (``info``: the
+    device's platform, detected if None; ``cfg`` overrides the tiles). The launcher, the tests
+    and the benchmarks ask this function; nothing else decides what runs."""
     N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
+    info = info or platform.detect(args.q_nope.device)
+    backend = backend_of(args.q_nope.device, info)
+    fmt, tfmt = weight_format(args.w_uk_t), tile_format(args)
+    bucket = configs.batch_bucket(D)
     if cfg is None:
-        bucket = configs.batch_bucket(D)
-        cfg = configs.launch_config(
-            H,
-            P,
-            R,
-            L,
-            backend,
-            bucket == "small",
-            large=bucket == "large",
-            w_format=tile_format(args),
-        )
-    num_sms = 1 if backend == "interpreter" else _num_sms(args.q_nope.device.index or 0)
+        bucket, cfg = configs.tiles(H, P, R, L, D, backend, tfmt)
+    variant = platform.choose_prologue_variant(
+        info, weight_format=fmt, P=P, L=L, block_l=cfg["BLOCK_L"]
+    )
+    w_fmt, mx_native = variant.kernel_flags
+    pdl = platform.choose_pdl(info)
+    interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
+    w = args.w_uk_t
+    w_dtype = (w if isinstance(w, torch.Tensor) else w.data).dtype
+    constexprs = dict(
+        H=H,
+        P=P,
+        R=R,
+        L=L,
+        BLOCK_P=cfg["BLOCK_P"],
+        BLOCK_L=cfg["BLOCK_L"],
+        BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_R=cfg["BLOCK_R"],
+        BLOCK_LC=cfg["BLOCK_LC"],
+        ROPE_ROWS=cfg["ROPE_ROWS"],
+        CACHE_ROWS=cfg["CACHE_ROWS"],
+        IS_NEOX=args.is_neox,
+        APPLY_ROPE=args.apply_rope,
+        KV_FP8=fp8_code(args.kv_cache.dtype),
+        Q_FP8=fp8_code(args.q.dtype),
+        W_FMT=w_fmt,
+        MX_NATIVE=mx_native,
+        A_FMT="bf16" if args.q_nope.dtype == torch.bfloat16 else "fp16",
+        A_QUANT=fp8_code(w_dtype) if args.act_quant == "fp8" else 0,
+        DOT_FP32=interp,
+        FIX_BF16=interp,
+        USE_PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    num_sms = 1 if interp else _num_sms(args.q_nope.device.index or 0)
     return LaunchPlan(
+        backend=backend,
+        weight_format=fmt,
+        act_quant=args.act_quant,
+        tile_format=tfmt,
+        bucket=bucket,
+        variant=variant,
+        pdl=pdl,
         cfg=cfg,
         bmm_items=configs.bmm_items(D, H, L, cfg),
         n_bmm=configs.bmm_programs(D, H, L, cfg, num_sms),
@@ -117,23 +154,20 @@ def plan(args: PrologueArgs, backend: str, cfg: dict | None = None) -> LaunchPla
         n_rope_d=triton.cdiv(D * H, cfg["ROPE_ROWS"]),
         n_rope_p=triton.cdiv((N - D) * H, cfg["ROPE_ROWS"]),
         n_cache=triton.cdiv(N, cfg["CACHE_ROWS"]),
+        constexprs=constexprs,
     )
 
 
 def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
-    """Launch the kernel on validated arguments, writing the outputs and the cache."""
-    N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
-    if N == 0:
+    """Launch the kernel on validated arguments, writing the outputs and the cache: the
+    pointers, strides and sizes of ``args``, and everything else as :func:`plan` decides."""
+    if args.B == 0:
         return
     info = platform.detect(args.q_nope.device)  # once per launch
-    backend = backend_of(args.q_nope.device, info)
-    _check_formats(args, backend)
-    pl = plan(args, backend, cfg)
-    cfg = pl.cfg
-
-    w_fmt, mx_native = variant_for(args, cfg, info).kernel_flags
+    _check_formats(args, backend_of(args.q_nope.device, info))
+    pl = plan(args, info, cfg)
     w = args.w_uk_t
-    if w_fmt == 0:
+    if pl.weight_format == "plain":
         w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
     else:
         w_data, w_scale = w.data, w.scale
@@ -141,9 +175,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         s_ws_p = w.scale.stride(1) if w.scale.dim() > 1 else 0
     p_kv_scale, kv_scale_value = split_scale(args.kv_scale)
     p_q_scale, q_scale_value = split_scale(args.q_scale)
-    interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
-    pdl = platform.choose_pdl(info)
-    launch_opts = {"launch_pdl": True} if pdl else {}
+    launch_opts = {"launch_pdl": True} if pl.pdl else {}
     qn, qp, kvc, kpe = args.q_nope, args.q_pe, args.kv_c, args.k_pe
     q, qpo, kpo, cache = args.q, args.q_pe_out, args.k_pe_out, args.kv_cache
     mla_prologue_kernel[pl.grid](
@@ -187,38 +219,15 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         p_cache=cache,
         s_cache_b=cache.stride(0),
         s_cache_s=cache.stride(1),
-        N=N,
-        D=D,
+        N=args.B,
+        D=args.D,
         n_bmm=pl.n_bmm,
         n_rope_d=pl.n_rope_d,
         n_rope_p=pl.n_rope_p,
         max_pos=args.cos_cache.shape[0],
         num_slots=cache.shape[0] * cache.shape[1],
         block_size=cache.shape[1],
-        H=H,
-        P=P,
-        R=R,
-        L=L,
-        BLOCK_P=cfg["BLOCK_P"],
-        BLOCK_L=cfg["BLOCK_L"],
-        BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_R=cfg["BLOCK_R"],
-        BLOCK_LC=cfg["BLOCK_LC"],
-        ROPE_ROWS=cfg["ROPE_ROWS"],
-        CACHE_ROWS=cfg["CACHE_ROWS"],
-        IS_NEOX=args.is_neox,
-        APPLY_ROPE=args.apply_rope,
-        KV_FP8=fp8_code(cache.dtype),
-        Q_FP8=fp8_code(q.dtype),
-        W_FMT=w_fmt,
-        MX_NATIVE=mx_native,
-        A_FMT="bf16" if qn.dtype == torch.bfloat16 else "fp16",
-        A_QUANT=fp8_code(w_data.dtype) if args.act_quant == "fp8" else 0,
-        DOT_FP32=interp,
-        FIX_BF16=interp,
-        USE_PDL=pdl,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **pl.constexprs,
         **launch_opts,
     )
 
