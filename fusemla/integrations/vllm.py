@@ -315,7 +315,7 @@ class _LayerState:
         work (``FUSEMLA_VLLM_W_UK=fp8`` quantizes, and syncs) cannot run. Skipped while
         capturing or before the weights exist; a spec that cannot be built here is built (and
         its error raised) at the first fused step."""
-        if self._spec_key is not None or not self.fused_dec or _capturing():
+        if self._spec_key is not None or not (self.fused_dec or self.fused_pre) or _capturing():
             return
         w = self.ad.w_uk_t(self.attn)
         if not isinstance(w, torch.Tensor) or tuple(w.shape[1:]) != (self.P, self.L):
