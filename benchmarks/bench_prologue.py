@@ -379,7 +379,7 @@ def sweep_rows(b: Bench, a) -> None:
         # the config the launcher itself would pick
         _, base_cfg = configs.tiles(H, P, R, L, B, b.backend, "plain" if fmt == "bf16" else fmt)
         # (fp8xfp8 tiles fall back to fp8's until the table has their own: configs.py)
-        space = sweep_space(H, B, fmt)
+        space = sweep_space(B)
         if b.smoke:
             space = smoke_subset(space, b.dims)
         elif a.sweep_max and len(space) > a.sweep_max:
@@ -464,8 +464,8 @@ def estimate(a, modes: set) -> str:
         n_rows += 2 * len(a.heads) * len(a.batches)
         n_sweep += 36 * len(a.heads) * len(a.batches)
     if "sweep" in modes:
-        for H, B, fmt in itertools.product(a.heads, a.sweep_batches, a.sweep_formats):
-            space = sweep_space(H, B, fmt)
+        for _H, B, _fmt in itertools.product(a.heads, a.sweep_batches, a.sweep_formats):
+            space = sweep_space(B)
             k = len(smoke_subset(space, SMOKE_DIMS)) if a.smoke else len(space)
             n_sweep += min(k, a.sweep_max) if a.sweep_max else k
     secs = n_rows * COST_ROW + n_compiles * COST_COMPILE + n_sweep * COST_SWEEP_CONFIG

@@ -44,13 +44,12 @@ LARGE_BMM = (
 )
 
 
-def sweep_space(H: int, B: int, w_format: str) -> list[dict]:
-    """Override dicts to time for ``H`` heads, ``B`` decode tokens, weight format ``w_format``
-    ("bf16", "fp8", "fp8xfp8" or "mxfp4"): first ``{}`` (the shipped config itself), then the grids of the
-    H200 sweeps the shipped tiles came from (``benchmarks/results/h200_explore_v2_phase*.json``):
-    for B <= SMALL_BATCH, BLOCK_L x num_warps x (one program per item with 1-3 stages |
+def sweep_space(B: int) -> list[dict]:
+    """Override dicts to time for ``B`` decode tokens (one grid for every head count and weight
+    format): first ``{}`` (the shipped config itself), then the grids of the H200 sweeps the
+    shipped tiles came from (``benchmarks/results/h200_explore_v2_phase*.json``): for
+    B <= SMALL_BATCH, BLOCK_L x num_warps x (one program per item with 1-3 stages |
     persistent, pipelined); above, the best large-batch BMM tiles x RoPE/cache tiles."""
-    del H, w_format  # one grid for every head count and format
     if B <= SMALL_BATCH:
         grid = [
             dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, programs_per_sm=pps, num_stages=ns)

@@ -51,12 +51,3 @@ def fp8_code(dtype: torch.dtype) -> int:
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype (448 for e4m3fn, 240 for e4m3fnuz)."""
     return FP8_FORMATS[dtype].max
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_FORMATS
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (table keys, messages)."""
-    return str(dtype).removeprefix("torch.")
