@@ -114,7 +114,9 @@ VARIABLES: dict[str, EnvVar] = {
             "switch",
             True,
             "The same for the prefill tokens' prologue (RoPE + cache write); with both on, a "
-            "mixed batch runs one launch for all its tokens.",
+            "mixed batch runs one launch for all its tokens. Under torch.compile both are read "
+            "when the layer is traced (dynamo does not guard on them): set them before "
+            "compiling, or use MLAConfig.",
             read="per layer call (the layer); when vLLM builds a layer (the plugin)",
         ),
         EnvVar(
@@ -140,7 +142,9 @@ VARIABLES: dict[str, EnvVar] = {
             False,
             "Before each launch, copy positions and slot_mapping to the host and raise if a "
             "position is outside the RoPE cache or a slot past the end of the KV cache. Syncs "
-            "the device: a debugging aid, not for CUDA-graph capture.",
+            "the device: a debugging aid, not for CUDA-graph capture. Without it the kernel "
+            "still never reads or writes out of bounds: positions are clamped into "
+            "[0, max_position) and slots past the cache are skipped like negative ones.",
         ),
         EnvVar(
             "FUSEMLA_VLLM",
