@@ -39,29 +39,15 @@ import threading
 import time
 from pathlib import Path
 
+# kernel name -> category: the full-depth benchmark's table (MoE, FP8 quant and norm included);
+# run as a script, so benchmarks/ is on sys.path
+from vllm_depth import category
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ENGINE_RUN = ROOT / "tests" / "vllm" / "engine_run.py"
 TAG = "@@BENCH@@ "
 VARIANTS = ("off", "on", "fp8", "fp8xfp8")
-
-# kernel-name fragments -> category (first match wins)
-CATEGORIES = (
-    ("fusemla prologue", ("mla_prologue_kernel",)),
-    ("vllm cache write", ("concat_and_cache_mla",)),
-    ("vllm rope", ("rotary_embedding",)),
-    ("attention", ("flash", "mla", "fmha", "attn")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "bmm", "splitk")),
-    ("triton (inductor)", ("triton_",)),
-)
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    for cat, frags in CATEGORIES:
-        if any(f in low for f in frags):
-            return cat
-    return "other"
 
 
 # ------------------------------------------------------------------------------ worker side

@@ -255,21 +255,18 @@ def _rpc_install(w) -> dict:
     }
     attn = {}
     try:
-        from vllm.model_executor.layers.attention import MLAAttention  # noqa: F401
-    except Exception:
-        pass
-    try:
         m = runner.model
         for mod in m.modules():
             if hasattr(mod, "attn_backend") and hasattr(mod, "kv_cache_dtype"):
                 attn = {
                     "backend": mod.attn_backend.get_name(),
                     "kv_cache_dtype": str(mod.kv_cache_dtype),
-                    "wrapper": type(getattr(mod, "_fusemla_owner", mod)).__name__,
                 }
                 break
+        # vLLM's MLA wrapper, or the plugin's subclass of it (FuseMLAWrapper)
+        names = (type(mod).__name__ for mod in m.modules())
         wrappers = collections.Counter(
-            type(mod).__name__ for mod in m.modules() if "LatentAttention" in type(mod).__name__
+            n for n in names if "LatentAttention" in n or n == "FuseMLAWrapper"
         )
     except Exception as e:  # pragma: no cover - diagnostics only
         wrappers = {"error": repr(e)}

@@ -34,6 +34,8 @@ import os
 import numpy as np
 import torch
 
+from fusemla.integrations.vllm import _capturing
+
 _log: dict = {"writes": [], "kernel": 0, "reference": 0, "captures": {}}
 _installed = False
 
@@ -163,10 +165,6 @@ def _install(model, inject: str, capture: bool) -> None:
                 _log["captures"][_name].append(out.detach().float().cpu().clone())
 
             w.register_forward_hook(hook)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _perturbed(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -100,9 +100,10 @@ def plan(
     info = info or platform.detect(args.q_nope.device)
     backend = backend_of(args.q_nope.device, info)
     fmt, tfmt = weight_format(args.w_uk_t), tile_format(args)
-    bucket = configs.batch_bucket(D)
     if cfg is None:
         bucket, cfg = configs.tiles(H, P, R, L, D, backend, tfmt)
+    else:
+        bucket = configs.batch_bucket(D)
     variant = platform.choose_prologue_variant(
         info, weight_format=fmt, P=P, L=L, block_l=cfg["BLOCK_L"]
     )
@@ -163,9 +164,8 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     pointers, strides and sizes of ``args``, and everything else as :func:`plan` decides."""
     if args.B == 0:
         return
-    info = platform.detect(args.q_nope.device)  # once per launch
-    _check_formats(args, backend_of(args.q_nope.device, info))
-    pl = plan(args, info, cfg)
+    pl = plan(args, platform.detect(args.q_nope.device), cfg)  # detected once per launch
+    _check_formats(args, pl.backend)
     w = args.w_uk_t
     if pl.weight_format == "plain":
         w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
