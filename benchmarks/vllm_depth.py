@@ -448,6 +448,23 @@ def prompts_for(batch: int, context: int, vocab: int, tag: str) -> list:
     ]
 
 
+def cells_of(args) -> list:
+    """The (B, context) cells in their order: ``--cells BxC ...`` as given, else every
+    ``--batches`` at ``--context``."""
+    if not getattr(args, "cells", None):
+        return [(b, args.context) for b in args.batches]
+    out = []
+    for spec in args.cells:
+        try:
+            b, c = (int(x) for x in spec.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--cells: {spec!r} is not BxCONTEXT (e.g. 32x4000)") from None
+        if b < 1 or c < 2:
+            raise SystemExit(f"--cells: {spec!r} needs B >= 1 and CONTEXT >= 2")
+        out.append((b, c))
+    return out
+
+
 def engine_main(args) -> None:
     import torch
     from vllm import LLM, SamplingParams
@@ -520,10 +537,11 @@ def engine_main(args) -> None:
         dt = time.perf_counter() - t
         return dt, [list(o.outputs[0].token_ids) for o in outs]
 
-    # warm-up: one short call per batch size (first-call allocations, JIT of sampling kernels)
-    for b in args.batches:
-        timed(prompts_for(b, args.context, vocab, "warm"), params("greedy", args.short, b))
-    for b in args.batches:
+    grid = cells_of(args)
+    # warm-up: one short call per cell (first-call allocations, JIT of sampling kernels)
+    for b, ctx in grid:
+        timed(prompts_for(b, ctx, vocab, "warm"), params("greedy", args.short, b))
+    for b, ctx in grid:
         for mode in args.sampling:
             llm.collective_rpc(_rpc_dispatch, args=(True,))
             p0 = llm.collective_rpc(_rpc_plugin)[0]
@@ -531,10 +549,10 @@ def engine_main(args) -> None:
             llm.collective_rpc(_rpc_timeline, args=(b,))  # start the timeline afresh
             for r in range(args.repeats):
                 t_s, _ = timed(
-                    prompts_for(b, args.context, vocab, f"{mode}/s{r}"), params(mode, args.short, b)
+                    prompts_for(b, ctx, vocab, f"{mode}/s{r}"), params(mode, args.short, b)
                 )
                 t_l, toks = timed(
-                    prompts_for(b, args.context, vocab, f"{mode}/l{r}"), params(mode, args.long, b)
+                    prompts_for(b, ctx, vocab, f"{mode}/l{r}"), params(mode, args.long, b)
                 )
                 tpot.append(1e3 * (t_l - t_s) / (args.long - args.short))
                 walls.append([round(t_s, 4), round(t_l, 4), round(time.time(), 2)])
@@ -547,14 +565,14 @@ def engine_main(args) -> None:
             # decode steps: b tokens of b requests; their graph mode
             dec = {}
             for mode_name, ntok, nreq, cnt in disp:
-                if nreq == b and ntok >= b and ntok <= max(b, 1) * 2 and ntok < args.context:
+                if nreq == b and ntok >= b and ntok <= max(b, 1) * 2 and ntok < ctx:
                     dec[mode_name] = dec.get(mode_name, 0) + cnt
             expected_steps = args.repeats * (args.short + args.long - 2)
             n_dec = sum(dec.values())
             cell = {
                 "batch": b,
                 "sampling": mode,
-                "context": args.context,
+                "context": ctx,
                 "tpot_ms": [round(x, 4) for x in tpot],
                 # per repeat: wall s of the short and the long call, and the clock at its end
                 "walls_s": walls,
@@ -577,7 +595,7 @@ def engine_main(args) -> None:
                 "tokens_r0": tokens0 if b <= 32 else None,
             }
             print(
-                f"[depth] {args.variant} B={b} {mode}: TPOT median {cell['median_ms']:.3f} ms "
+                f"[depth] {args.variant} B={b} ctx={ctx} {mode}: TPOT median {cell['median_ms']:.3f} ms "
                 f"(core decode step {cell['core_step_median_ms']} ms) "
                 f"({cell['min_ms']:.3f}-{cell['max_ms']:.3f}); decode steps with all B: "
                 f"{n_dec}/{expected_steps} {dec}; plugin op calls "
@@ -585,7 +603,7 @@ def engine_main(args) -> None:
                 flush=True,
             )
             if args.profile_steps:
-                cell["profile"] = profile_window(llm, b, args, vocab, params(mode, 10**4, b))
+                cell["profile"] = profile_window(llm, b, ctx, args, vocab, params(mode, 10**4, b))
                 pr = cell["profile"] or {}
                 print(
                     f"[depth] {args.variant} B={b} profile: {json.dumps({k: pr.get(k) for k in ('steps', 'kernel_us_per_step', 'busy_us_per_step', 'idle_us_per_step')})} "
@@ -599,11 +617,11 @@ def engine_main(args) -> None:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
 
-def profile_window(llm, batch: int, args, vocab: int, sp) -> dict | None:
+def profile_window(llm, batch: int, context: int, args, vocab: int, sp) -> dict | None:
     """Profile ``args.profile_steps`` whole decode steps of B running requests."""
     engine = llm.llm_engine
     ids = [f"prof{batch}-{i}" for i in range(batch)]
-    for rid, p in zip(ids, prompts_for(batch, args.context, vocab, "prof")):
+    for rid, p in zip(ids, prompts_for(batch, context, vocab, "prof")):
         engine.add_request(rid, p, sp[ids.index(rid)] if isinstance(sp, list) else sp)
     seen: set = set()
     for _ in range(2000):  # prefill: until every request has its first token
@@ -666,6 +684,7 @@ def pair_main(args) -> None:
             *map(str, args.batches),
             "--context",
             str(args.context),
+            *(["--cells", *args.cells] if getattr(args, "cells", None) else []),
             "--repeats",
             str(args.repeats),
             "--short",
@@ -861,6 +880,7 @@ def smoke() -> None:
         tag="smoke",
         batches=[1, 2],
         context=16,
+        cells=["1x16", "2x24"],  # two contexts in one engine
         repeats=1,
         short=2,
         long=4,
@@ -900,6 +920,12 @@ def main() -> None:
         e = sub.add_parser(name)
         e.add_argument("--batches", nargs="+", type=int, default=[1, 32])
         e.add_argument("--context", type=int, default=1000)
+        e.add_argument(
+            "--cells",
+            nargs="+",
+            default=None,
+            help="BxCONTEXT cells in this order (e.g. 1x1000 32x4000); replaces --batches/--context",
+        )
         e.add_argument("--repeats", type=int, default=5)
         e.add_argument("--short", type=int, default=8)
         e.add_argument("--long", type=int, default=136)

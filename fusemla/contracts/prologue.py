@@ -144,8 +144,8 @@ class PrologueArgs:
         return self.spec.act_quant
 
     @property
-    def B(self) -> int:
-        """N, the number of tokens (decode + prefill)."""
+    def N(self) -> int:
+        """The number of tokens (decode + prefill)."""
         return self.q_nope.shape[0]
 
     @property
@@ -410,24 +410,24 @@ def _activations(q_nope: object, q_pe: object, kv_c: object, k_pe: object):
     if q_nope.dim() != 3:
         raise FuseMLAValueError(f"q_nope: expected shape [N, H, P], got {describe(q_nope)}")
     _dtype("q_nope", q_nope, ACT_DTYPES)
-    B, H, P = q_nope.shape
+    N, H, P = q_nope.shape
     q_pe = _tensor("q_pe", q_pe)
     if q_pe.dim() != 3:
-        raise FuseMLAValueError(f"q_pe: expected shape [N={B}, H={H}, R], got {describe(q_pe)}")
+        raise FuseMLAValueError(f"q_pe: expected shape [N={N}, H={H}, R], got {describe(q_pe)}")
     R = q_pe.shape[2]
-    _shape("q_pe", q_pe, (B, H, R), lambda: f"[N={B}, H={H}, R]")
+    _shape("q_pe", q_pe, (N, H, R), lambda: f"[N={N}, H={H}, R]")
     if R % 2 != 0 or R == 0:
         raise FuseMLAValueError(f"q_pe: the rope dim R must be even and > 0, got {describe(q_pe)}")
     kv_c = _tensor("kv_c", kv_c)
     if kv_c.dim() != 2:
-        raise FuseMLAValueError(f"kv_c: expected shape [N={B}, L], got {describe(kv_c)}")
+        raise FuseMLAValueError(f"kv_c: expected shape [N={N}, L], got {describe(kv_c)}")
     L = kv_c.shape[1]
-    _shape("kv_c", kv_c, (B, L), lambda: f"[N={B}, L]")
+    _shape("kv_c", kv_c, (N, L), lambda: f"[N={N}, L]")
     k_pe = _tensor("k_pe", k_pe)
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
         k_pe = k_pe[:, 0]
-    _shape("k_pe", k_pe, (B, R), lambda: f"[N={B}, R={R}] or [N={B}, 1, R={R}]")
-    return q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R)
+    _shape("k_pe", k_pe, (N, R), lambda: f"[N={N}, R={R}] or [N={N}, 1, R={R}]")
+    return q_nope, q_pe, kv_c, k_pe, (N, H, P, L, R)
 
 
 def prepare_step(
@@ -459,7 +459,7 @@ def prepare_step(
         raise FuseMLATypeError(
             f"spec: expected a PrologueSpec (fusemla.prologue_spec(...)), got {describe(spec)}"
         )
-    q_nope, q_pe, kv_c, k_pe, (B, H, P, L, R) = _acts or _activations(q_nope, q_pe, kv_c, k_pe)
+    q_nope, q_pe, kv_c, k_pe, (N, H, P, L, R) = _acts or _activations(q_nope, q_pe, kv_c, k_pe)
     act = q_nope.dtype
     device = q_nope.device
     sH, sP, sL, sR = spec.H, spec.P, spec.L, spec.R
@@ -470,12 +470,12 @@ def prepare_step(
         )
     if R != sR:
         raise FuseMLAValueError(
-            f"q_pe: expected shape [N={B}, H={H}, R={sR}] (the spec's "
+            f"q_pe: expected shape [N={N}, H={H}, R={sR}] (the spec's "
             f"RoPE tables hold R/2={sR // 2}), got {describe(q_pe)}"
         )
     if L != sL:
         raise FuseMLAValueError(
-            f"kv_c: expected shape [N={B}, L={sL}] (the spec's w_uk_t), got {describe(kv_c)}"
+            f"kv_c: expected shape [N={N}, L={sL}] (the spec's w_uk_t), got {describe(kv_c)}"
         )
     for name, x in (("q_pe", q_pe), ("kv_c", kv_c), ("k_pe", k_pe)):
         if x.dtype != act:
@@ -489,12 +489,12 @@ def prepare_step(
             f"q_nope: expected dtype {spec.q_out_dtype} (the spec's "
             f"q_out_dtype), got {describe(q_nope)}"
         )
-    D = _num_decode_tokens(num_decode_tokens, B)
+    D = _num_decode_tokens(num_decode_tokens, N)
     if not isinstance(rope_applied, bool):
         raise FuseMLATypeError(f"rope_applied: expected a bool, got {describe(rope_applied)}")
 
     positions = _tensor("positions", positions)
-    _shape("positions", positions, (B,), lambda: f"[N={B}]")
+    _shape("positions", positions, (N,), lambda: f"[N={N}]")
     _dtype("positions", positions, INDEX_DTYPES)
 
     kv_cache = _tensor("kv_cache", kv_cache)
@@ -509,16 +509,16 @@ def prepare_step(
     _dtype("kv_cache", kv_cache, CACHE_DTYPES)
 
     slot_mapping = _tensor("slot_mapping", slot_mapping)
-    _shape("slot_mapping", slot_mapping, (B,), lambda: f"[N={B}]")
+    _shape("slot_mapping", slot_mapping, (N,), lambda: f"[N={N}]")
     _dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
 
     q_dtype = spec.q_out_dtype or act
     q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype, q_nope)
     q_pe_out = _output(
-        "q_pe_out", q_pe_out, (B - D, H, R), lambda: f"[N-D={B - D}, H={H}, R={R}]", act, q_nope
+        "q_pe_out", q_pe_out, (N - D, H, R), lambda: f"[N-D={N - D}, H={H}, R={R}]", act, q_nope
     )
     k_pe_out = _output(
-        "k_pe_out", k_pe_out, (B - D, R), lambda: f"[N-D={B - D}, R={R}]", act, q_nope
+        "k_pe_out", k_pe_out, (N - D, R), lambda: f"[N-D={N - D}, R={R}]", act, q_nope
     )
 
     kv_fp8 = kv_cache.dtype in FP8_DTYPES
@@ -627,7 +627,7 @@ def prepare(
 
 def check_device_values(args: PrologueArgs) -> None:
     """The syncing checks of ``FUSEMLA_DEBUG_CHECKS=1``: positions, slots and scale values."""
-    if args.B == 0:
+    if args.N == 0:
         return
     max_pos = args.cos_cache.shape[0]
     pos = args.positions.detach().cpu()

@@ -108,7 +108,7 @@ def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tenso
 
 def prologue_into(args: PrologueArgs) -> None:
     """Run the unfused prologue on prepared arguments, writing the outputs and the cache."""
-    if args.B == 0:
+    if args.N == 0:
         return
     D, L = args.D, args.L
     dtype = args.q_nope.dtype

@@ -244,7 +244,7 @@ def counters(monkeypatch):
     launch, write = launch_mod.launch, ref_mod.write_cache_rows
 
     def counting_launch(args, cfg=None):
-        c.launch.append((args.B, args.D))
+        c.launch.append((args.N, args.D))
         return launch(args, cfg)
 
     def counting_write(cache, slots, rows):

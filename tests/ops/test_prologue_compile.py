@@ -58,7 +58,7 @@ def launches(monkeypatch):
     real = launch_mod.launch
 
     def counting(args, cfg=None):
-        seen.append((int(args.B), int(args.D)))
+        seen.append((int(args.N), int(args.D)))
         return real(args, cfg)
 
     monkeypatch.setattr(launch_mod, "launch", counting)

@@ -6,8 +6,9 @@
 #                                                 # the background (FUSEMLA_VLLM_GPU_ONLY passes)
 #   bash tests/vllm/h200.sh wait N    # wait up to N s for it; copy log + JSON report to $OUT
 #   bash tests/vllm/h200.sh bench     # benchmarks/bench_vllm.py (TPOT on vs off), JSON to $OUT
-#   bash tests/vllm/h200.sh depth NAME [vllm_depth.py pair args]   # the full-depth benchmark in
-#                                     # the background, from its own copy of the checkout
+#   bash tests/vllm/h200.sh depth NAME [pair args] [+ latency args ...]   # the full-depth
+#                                     # benchmark's jobs one after the other, in the background,
+#                                     # from their own copy of the checkout
 #   bash tests/vllm/h200.sh depth-wait N [NAME]   # wait up to N s for job NAME; its JSON + logs to $OUT
 #
 # VGPU=<folder> (default .vgpu) picks the bundle (e.g. .vgpu033 for vLLM 0.33, whose gpu_env.sh
@@ -59,13 +60,30 @@ case ${1:-} in
     tar --exclude="./.vgpu*" -cf - . | tar -xf - -C /tmp/depth_src
     cp -r $VG /tmp/depth_src/ && echo "$commit" > /tmp/depth_out/commit
     rm -f /tmp/depth_out/done_$name
-    extra=$(printf ' %q' "${@:3}")
+    # jobs run one after the other, separated by a lone "+": "pair ARGS" or "latency ARGS"
+    # (vllm_depth.py's subcommands; one that starts with an option is a pair), or
+    # "benchmarks/SCRIPT.py ARGS" (given --out-dir /tmp/depth_out/NAME_N)
+    job=/tmp/depth_out/job_$name.sh
+    echo "cd /tmp/depth_src" > $job
+    line="" n=0
+    for a in "${@:3}" +; do
+      if [[ $a == + ]]; then
+        [[ $line == " -"* || -z $line ]] && line=" pair$line"
+        if [[ $line == " benchmarks/"*.py* ]]; then  # another script: its own output folder
+          echo "bash $VG/gpu_env.sh run -- python3$line --out-dir /tmp/depth_out/${name}_$n" >> $job
+        else
+          echo "bash $VG/gpu_env.sh run -- python3 benchmarks/vllm_depth.py$line --out-dir /tmp/depth_out --tag ${name}_$n --cache-root /tmp/depth_cache" >> $job
+        fi
+        line="" n=$((n + 1))
+      else
+        line+=$(printf ' %q' "$a")
+      fi
+    done
+    cat $job
     # GPU clocks, power and throttle reasons beside the run (a TPOT that moves with them is the GPU's)
     setsid nohup nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active,utilization.gpu \
       --format=csv -lms 250 > /tmp/depth_out/smi_$name.csv 2>&1 < /dev/null &
-    setsid nohup bash -c "cd /tmp/depth_src && bash $VG/gpu_env.sh run -- python3 \
-      benchmarks/vllm_depth.py pair --out-dir /tmp/depth_out --tag $name \
-      --cache-root /tmp/depth_cache $extra > /tmp/depth_out/driver_$name.log 2>&1
+    setsid nohup bash -c "bash $job > /tmp/depth_out/driver_$name.log 2>&1
       echo \$? > /tmp/depth_out/done_$name" > /dev/null 2>&1 < /dev/null &
     echo "[h200] depth job $name started at commit $commit" ;;
   depth-wait)
@@ -75,7 +93,7 @@ case ${1:-} in
     while ! ls /tmp/depth_out/done_$name >/dev/null 2>&1 && (( SECONDS - t0 < limit )); do sleep 5; done
     for f in /tmp/depth_out/driver_$name.log; do echo "== $f"; tail -c 4000 "$f"; done
     ls -la /tmp/depth_out
-    tar -C /tmp/depth_out -czf "$OUTDIR/depth_$commit.tgz" --exclude=vllm_cache --exclude='model_*' . 2>/dev/null
+    tar -C /tmp/depth_out -czf "$OUTDIR/depth_$commit.tgz" --exclude=vllm_cache --exclude='model_*' --exclude='./*/model' . 2>/dev/null
     nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
   *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | depth-wait [seconds]"; exit 2 ;;
 esac

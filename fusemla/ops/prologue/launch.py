@@ -96,7 +96,7 @@ def plan(
     """The :class:`LaunchPlan` :func:`launch` runs for ``args`` on its device (``info``: the
     device's platform, detected if None; ``cfg`` overrides the tiles). The launcher, the tests
     and the benchmarks ask this function; nothing else decides what runs."""
-    N, D, H, P, R, L = args.B, args.D, args.H, args.P, args.R, args.L
+    N, D, H, P, R, L = args.N, args.D, args.H, args.P, args.R, args.L
     info = info or platform.detect(args.q_nope.device)
     backend = backend_of(args.q_nope.device, info)
     fmt, tfmt = weight_format(args.w_uk_t), tile_format(args)
@@ -162,7 +162,7 @@ def plan(
 def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
     """Launch the kernel on validated arguments, writing the outputs and the cache: the
     pointers, strides and sizes of ``args``, and everything else as :func:`plan` decides."""
-    if args.B == 0:
+    if args.N == 0:
         return
     pl = plan(args, platform.detect(args.q_nope.device), cfg)  # detected once per launch
     _check_formats(args, pl.backend)
@@ -219,7 +219,7 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         p_cache=cache,
         s_cache_b=cache.stride(0),
         s_cache_s=cache.stride(1),
-        N=args.B,
+        N=args.N,
         D=args.D,
         n_bmm=pl.n_bmm,
         n_rope_d=pl.n_rope_d,
