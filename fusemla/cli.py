@@ -91,12 +91,59 @@ def info_lines(all_env: bool = False) -> list[str]:
     lines.extend("  " + line for line in envs.report(None if all_env else "library"))
     # what the kernels would see on the default device, and the variants they would pick
     try:
+        from fusemla.ops.prologue import policy
         from fusemla.platform import detect, report_lines
 
-        lines.extend(report_lines(detect()))
+        info = detect()
+        lines.extend(report_lines(info))
+        lines.extend(policy.report_lines(info))
     except Exception as exc:  # noqa: BLE001 - info reports, it never fails
         lines.append(f"platform: unknown (detection failed: {type(exc).__name__}: {exc})")
+        return lines
+    try:
+        lines.extend(plan_lines(info))
+    except Exception as exc:  # noqa: BLE001
+        lines.append(f"  launch plan: unknown ({type(exc).__name__}: {exc})")
     return lines
+
+
+def plan_lines(info) -> list[str]:
+    """What the launcher would run on the default device at DeepSeek-V3 dims (16 heads), per
+    weight format and decode batch: the plan function's answer (:func:`launch.plan`), the one
+    place that decides it."""
+    import torch
+
+    from fusemla import quant
+    from fusemla.contracts.prologue import prepare
+    from fusemla.ops.prologue import launch
+
+    if info.backend == "cpu":
+        return ["  launch plan: none (no Triton backend here: the PyTorch fallback runs)"]
+    dev = torch.device("cuda") if info.backend in ("cuda", "rocm") else torch.device("cpu")
+    H, P, R, L = 16, 128, 64, 512
+    w = torch.randn(H, P, L, device=dev).to(torch.bfloat16)
+    weights = {"bf16": w, "fp8": quant.quantize_fp8_weight(w, dtype=info.fp8_dtype)}
+    out = [f"  launch plan at H={H}, P={P}, R={R}, L={L} (fusemla.ops.prologue.launch.plan):"]
+    for name, wt in weights.items():
+        for n in (1, 64, 512):
+            e = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device=dev)  # noqa: E731
+            cos = torch.empty(4096, R // 2, device=dev)
+            idx = torch.zeros(n, dtype=torch.int64, device=dev)
+            try:
+                args = prepare(
+                    e(n, H, P), e(n, H, R), e(n, L), e(n, R), wt, idx, cos, cos,
+                    e(8, 64, L + R), idx, num_decode_tokens=n,
+                )  # fmt: skip
+                pl = launch.plan(args, info)
+                c = pl.cfg
+                out.append(
+                    f"    {name} weights, {n:>3} decode tokens: {pl.bucket} tiles "
+                    f"BLOCK_L={c['BLOCK_L']} BLOCK_T={c['BLOCK_T']} warps={c['num_warps']} "
+                    f"stages={c['num_stages']}, grid {pl.grid[0]}, PDL {'on' if pl.pdl else 'off'}"
+                )
+            except Exception as exc:  # noqa: BLE001 - info reports, it never fails
+                out.append(f"    {name} weights, {n} decode tokens: error: {exc}")
+    return out
 
 
 def cmd_info(args: argparse.Namespace) -> int:

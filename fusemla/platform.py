@@ -1,4 +1,5 @@
-"""What the current accelerator can do, and which kernel variant to run on it.
+"""What the current accelerator can do (which kernel variant runs on it is the op's policy:
+:mod:`fusemla.ops.prologue.policy`).
 
 One Triton source serves NVIDIA and AMD GPUs, the Triton interpreter and a PyTorch fallback;
 they differ in the number formats the chip stores and multiplies:
@@ -12,8 +13,7 @@ they differ in the number formats the chip stores and multiplies:
 
 :func:`platform_from` derives a :class:`PlatformInfo` from a backend and an architecture name
 without touching a device (tests use it to fake platforms); :func:`detect` asks torch about a
-real device. The ``choose_*`` functions turn a :class:`PlatformInfo` (plus the environment
-overrides documented in :mod:`fusemla.config`) into a kernel variant.
+real device; :func:`supports_pdl` and the :class:`PlatformInfo` flags say what it can run.
 
 Triton is imported lazily, only for its version string.
 """
@@ -32,12 +32,7 @@ from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 __all__ = [
     "BACKENDS",
     "PlatformInfo",
-    "PrologueVariant",
-    "choose_pdl",
-    "choose_prologue_variant",
-    "mxfp4_tiles_fit",
     "supports_pdl",
-    "choose_mxfp4_path",
     "clear_cache",
     "default_fp8_weight_dtype",
     "detect",
@@ -277,110 +272,16 @@ def clear_cache() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_info(info: object) -> PlatformInfo:
+def check_info(info: object) -> PlatformInfo:
     if not isinstance(info, PlatformInfo):
         raise FuseMLATypeError(f"info: expected a PlatformInfo, got {type(info).__name__}")
     return info
 
 
-def choose_mxfp4_path(info: PlatformInfo) -> str:
-    """How MXFP4 weights are multiplied: "dot_scaled" (``tl.dot_scaled``) or "dequant".
-
-    "auto" (default of ``FUSEMLA_MXFP4_PATH``) gives "dot_scaled" exactly when
-    ``info.native_fp4``. The variable can force either; forcing "dot_scaled" is allowed on
-    native-FP4 chips and under the Triton interpreter (which emulates ``tl.dot_scaled``).
-
-    Raises:
-        FuseMLAValueError: ``FUSEMLA_MXFP4_PATH`` is invalid, or is "dot_scaled" on a platform
-            without native FP4 dots.
-        FuseMLATypeError: ``info`` is not a PlatformInfo.
-    """
-    _check_info(info)
-    mode = config.mxfp4_path_mode()
-    if mode == "auto":
-        return "dot_scaled" if info.native_fp4 else "dequant"
-    if mode == "dot_scaled" and not (info.native_fp4 or info.backend == "interpreter"):
-        where = f"{info.backend} {info.arch}" if info.arch else info.backend
-        if info.backend == "cpu":
-            why = "the PyTorch fallback runs no Triton kernel"
-        else:
-            why = (
-                "it has no hardware FP4 (MX) dots; those need compute capability >= 10.0 "
-                "(Blackwell) or gfx950"
-            )
-        raise FuseMLAValueError(
-            f"environment variable {config.MXFP4_PATH_ENV}=dot_scaled cannot be used on "
-            f"{where}: {why}. Unset it or set it to 'dequant'"
-        )
-    return mode
-
-
-@dataclass(frozen=True)
-class PrologueVariant:
-    """Which variant of the prologue kernel runs: the one decision, made by
-    :func:`choose_prologue_variant` for the launcher, ``fusemla info`` and tests."""
-
-    #: "plain" (weights in the activations' dtype), "fp8" or "mxfp4"
-    weight_format: str
-    #: MXFP4 weights only: "dot_scaled" or "dequant"; None for other formats
-    mxfp4_path: str | None
-
-    @property
-    def kernel_flags(self) -> tuple[int, bool]:
-        """(W_FMT, MX_NATIVE) as the kernel takes them."""
-        w_fmt = {"plain": 0, "fp8": 1, "mxfp4": 2}[self.weight_format]
-        return w_fmt, self.mxfp4_path == "dot_scaled"
-
-
-def mxfp4_tiles_fit(P: int, L: int, block_l: int) -> bool:
-    """Whether ``tl.dot_scaled`` can take the kernel's weight tiles: it needs whole, unmasked
-    tiles, so P a power of two (one [P, BLOCK_L] tile, whole 32-element scale blocks) and
-    L a multiple of BLOCK_L."""
-    return P >= 32 and P & (P - 1) == 0 and L % block_l == 0
-
-
-def choose_prologue_variant(
-    info: PlatformInfo,
-    *,
-    weight_format: str,
-    P: int | None = None,
-    L: int | None = None,
-    block_l: int | None = None,
-) -> PrologueVariant:
-    """The prologue kernel variant for ``info`` and a weight format (the same for any batch).
-
-    Plain and FP8 weights have one variant each (FP8 weights are upcast to the activations'
-    dtype in registers). MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles (``P``,
-    ``L``, ``block_l``; see :func:`mxfp4_tiles_fit`) cannot feed ``tl.dot_scaled``, "auto"
-    picks "dequant" and a forced ``FUSEMLA_MXFP4_PATH=dot_scaled`` raises.
-
-    Raises:
-        FuseMLAValueError: an unknown weight format, an invalid environment override, or a
-            forced choice that cannot run here.
-    """
-    _check_info(info)
-    if weight_format in ("plain", "fp8"):
-        return PrologueVariant(weight_format, None)
-    if weight_format != "mxfp4":
-        raise FuseMLAValueError(
-            f"weight_format: expected 'plain', 'fp8' or 'mxfp4', got {weight_format!r}"
-        )
-    path = choose_mxfp4_path(info)
-    if path == "dot_scaled" and None not in (P, L, block_l) and not mxfp4_tiles_fit(P, L, block_l):
-        if config.mxfp4_path_mode() == "dot_scaled":
-            raise FuseMLAValueError(
-                f"environment variable {config.MXFP4_PATH_ENV}=dot_scaled cannot run with "
-                f"P={P}, L={L} and tile BLOCK_L={block_l}: tl.dot_scaled needs P a power of two "
-                ">= 32 and L a multiple of BLOCK_L. Unset it or set it to 'dequant'"
-            )
-        path = "dequant"
-    return PrologueVariant("mxfp4", path)
-
-
 def supports_pdl(info: PlatformInfo) -> bool:
     """Programmatic dependent launch: NVIDIA compute capability >= 9.0 and Triton >= 3.4
     (``launch_pdl`` and ``gdc_wait``); never under the interpreter or on ROCm."""
-    _check_info(info)
+    check_info(info)
     if info.backend != "cuda":
         return False
     major, _ = _sm_capability(info.arch)
@@ -391,32 +292,9 @@ def supports_pdl(info: PlatformInfo) -> bool:
     return major >= 9 and tv >= (3, 4)
 
 
-def choose_pdl(info: PlatformInfo) -> bool:
-    """Whether the prologue kernel is launched with programmatic dependent launch.
-
-    ``FUSEMLA_PDL`` = "auto" (default): :func:`supports_pdl`; "off": never; "on": required,
-    raising where unsupported.
-
-    Raises:
-        FuseMLAValueError: an invalid value, or "on" where PDL is not supported.
-    """
-    mode = config.pdl_mode()
-    if mode == "off":
-        return False
-    ok = supports_pdl(info)
-    if mode == "on" and not ok:
-        where = f"{info.backend} {info.arch}" if info.arch else info.backend
-        raise FuseMLAValueError(
-            f"environment variable {config.PDL_ENV}=on cannot be used on {where}: programmatic "
-            "dependent launch needs an NVIDIA GPU of compute capability >= 9.0 and Triton >= 3.4. "
-            "Unset it or set it to 'off'"
-        )
-    return ok
-
-
 def default_fp8_weight_dtype(info: PlatformInfo) -> torch.dtype:
     """The FP8 dtype to store weights in for ``info`` (= ``info.fp8_dtype``)."""
-    return _check_info(info).fp8_dtype
+    return check_info(info).fp8_dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,11 +307,9 @@ def _yes(flag: bool) -> str:
 
 
 def report_lines(info: PlatformInfo) -> list[str]:
-    """A human-readable report of ``info`` and the kernel variants it selects.
-
-    Never raises on a bad environment override: the line of that variable says what is wrong.
-    """
-    _check_info(info)
+    """A human-readable report of what ``info``'s hardware can do (the variants the prologue
+    picks on it: :func:`fusemla.ops.prologue.policy.report_lines`)."""
+    check_info(info)
     where = info.arch or "no GPU arch"
     device = info.device_name or ("CPU" if info.backend in ("interpreter", "cpu") else "unknown")
     what = {
@@ -456,20 +332,9 @@ def report_lines(info: PlatformInfo) -> list[str]:
             "act_quant='fp8' an FP8 x FP8 dot; read fastest K-major (quantize_fp8_weight's default)"
         ),
         (
-            "  speed: on the H200, FP8 weights took 0.93-1.02x the bf16-weight prologue time at "
-            "B <= 64 and up to 1.16x at B = 512 (0.5.0), MXFP4 (dequant) 1.4-5.7x (0.3.0): pick a "
-            "weight format for memory, not prologue speed (README, 'FP8 absorbed BMM')"
+            "  speed: pick a weight format for memory, not prologue speed; measured prologue "
+            "times per weight format: docs/results.md ('The 0.5.0 kernel')"
         ),
     ]
-    dims = dict(P=128, L=512, block_l=128)  # DeepSeek-V3
-    try:
-        path = choose_prologue_variant(info, weight_format="mxfp4", **dims).mxfp4_path
-    except FuseMLAValueError as exc:
-        path = f"error: {exc}"
-    lines.append(f"  MXFP4 weights: {path}")
-    try:
-        pdl = "on" if choose_pdl(info) else "off"
-    except FuseMLAValueError as exc:
-        pdl = f"error: {exc}"
-    lines.append(f"  programmatic dependent launch: {pdl}")
+    lines.append(f"  programmatic dependent launch supported: {_yes(supports_pdl(info))}")
     return lines

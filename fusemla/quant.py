@@ -94,13 +94,16 @@ def _pow2(exp: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized ``W_UK_T`` ``[H, P, L]`` (P = reduction dim, L = latent dim).
+    """A quantized per-head weight ``[H, K, N]`` (K = reduction dim, N = output dim): the
+    prologue's ``W_UK_T`` ``[H, P, L]``, or the epilogue's ``W_UV`` ``[H, L, V]``.
 
     ``format == "fp8"``:
-        ``data``: ``[H, P, L]`` ``float8_e4m3fn`` or ``float8_e4m3fnuz``, contiguous or K-major
+        ``data``: ``[H, K, N]`` ``float8_e4m3fn`` or ``float8_e4m3fnuz``, contiguous or K-major
         (``data.transpose(1, 2)`` contiguous: what :func:`quantize_fp8_weight` makes).
-        ``scale``: fp32 ``[1]`` (per tensor) or ``[H]`` (per head), contiguous;
-        ``w ~= data.float() * scale``.
+        ``scale``: fp32, contiguous: ``[1]`` (per tensor), ``[H]`` (per head), or with
+        ``block=(bk, bn)`` ``[H, ceil(K / bk), ceil(N / bn)]`` (one scale per block of each
+        head, DeepSeek's 128 x 128 ``weight_scale_inv`` as the checkpoint stores it, in this
+        weight's orientation); ``w ~= data.float() * scale`` (broadcast over its block).
     ``format == "mxfp4"``:
         ``data``: ``[H, P // 2, L]`` uint8, contiguous; two e2m1 codes per byte along ``P``: the
         low nibble holds ``p = 2*i``, the high nibble ``p = 2*i + 1``.
@@ -114,6 +117,8 @@ class QuantizedWeight:
     data: torch.Tensor
     scale: torch.Tensor
     format: str
+    #: FP8 block scales only: the block's (rows along K, columns along N); None otherwise
+    block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, str):
@@ -124,15 +129,35 @@ class QuantizedWeight:
             raise FuseMLAValueError(f"format: expected 'fp8' or 'mxfp4', got {self.format!r}")
         data = _tensor("data", self.data)
         scale = _tensor("scale", self.scale)
+        if self.block is not None and self.format != "fp8":
+            raise FuseMLAValueError(
+                f"block: block scales are FP8 weights' (format 'fp8'), got format {self.format!r}"
+            )
         if self.format == "fp8":
             _dtype("data", data, FP8_DTYPES)
-            _rank("data", data, 3, "[H, P, L]")
+            _rank("data", data, 3, "[H, K, N]")
             _dtype("scale", scale, (torch.float32,))
-            H = data.shape[0]
-            if scale.shape not in ((1,), (H,)):
+            H, K, N = data.shape
+            if self.block is not None:
+                blk = self.block
+                if not (
+                    isinstance(blk, tuple)
+                    and len(blk) == 2
+                    and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blk)
+                ):
+                    raise FuseMLAValueError(
+                        f"block: expected a pair of positive ints (e.g. (128, 128)), got {blk!r}"
+                    )
+                expected = (H, -(-K // blk[0]), -(-N // blk[1]))
+                if tuple(scale.shape) != expected:
+                    raise FuseMLAValueError(
+                        f"scale: expected shape [H, ceil(K / {blk[0]}), ceil(N / {blk[1]})] = "
+                        f"{list(expected)} for block {blk}, got {describe(scale)}"
+                    )
+            elif scale.shape not in ((1,), (H,)):
                 raise FuseMLAValueError(
                     f"scale: expected shape [1] (per tensor) or [H={H}] "
-                    f"(per head), got {describe(scale)}"
+                    f"(per head) (or block scales with block=(bk, bn)), got {describe(scale)}"
                 )
         else:
             _dtype("data", data, (torch.uint8,))
@@ -174,19 +199,23 @@ class QuantizedWeight:
         return self.data.shape[0]
 
     @property
-    def P(self) -> int:
-        """Reduction dim (``qk_nope_head_dim``), unpacked."""
+    def K(self) -> int:
+        """Reduction dim, unpacked (W_UK_T's P, W_UV's L)."""
         return self.data.shape[1] * (2 if self.format == "mxfp4" else 1)
 
     @property
-    def L(self) -> int:
-        """Latent dim (``kv_lora_rank``)."""
+    def N(self) -> int:
+        """Output dim (W_UK_T's L, W_UV's V)."""
         return self.data.shape[2]
+
+    #: W_UK_T's names for (K, N): ``qk_nope_head_dim`` and ``kv_lora_rank``
+    P = K
+    L = N
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """The logical shape ``(H, P, L)``."""
-        return (self.H, self.P, self.L)
+        """The logical shape ``(H, K, N)``."""
+        return (self.H, self.K, self.N)
 
     @property
     def k_major(self) -> bool:
@@ -200,24 +229,49 @@ class QuantizedWeight:
 
     @property
     def granularity(self) -> str:
-        """``"tensor"`` or ``"head"`` (fp8), ``"block32"`` (mxfp4)."""
+        """``"tensor"``, ``"head"`` or ``"block"`` (fp8; :attr:`block` gives its size),
+        ``"block32"`` (mxfp4)."""
         if self.format == "mxfp4":
             return "block32"
+        if self.block is not None:
+            return "block"
         return "tensor" if self.scale.shape == (1,) else "head"
 
-    def to(self, device: str | torch.device) -> QuantizedWeight:
-        """The same weight on ``device`` (bytes copied unchanged)."""
-        return QuantizedWeight(self.data.to(device), self.scale.to(device), self.format)
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The real weight ``[H, P, L]`` in ``dtype``, computed in fp32 then cast."""
+        """The real weight ``[H, K, N]`` in ``dtype``, computed in fp32 then cast."""
         dtype = _dtype_arg("dtype", dtype, FLOAT_DTYPES)
-        if self.format == "fp8":
+        if self.format == "fp8" and self.block is not None:
+            bk, bn = self.block
+            s = self.scale.repeat_interleave(bk, dim=1).repeat_interleave(bn, dim=2)
+            w = self.data.float() * s[:, : self.K, : self.N]
+        elif self.format == "fp8":
             scale = self.scale.view(-1, 1, 1) if self.scale.numel() > 1 else self.scale
             w = self.data.float() * scale
         else:
             w = dequantize_mxfp4(self.data, self.scale)
         return w.to(dtype)
+
+
+def weight_format(w: object) -> str:
+    """The one weight-format rule: ``"plain"`` for a tensor (the activations' dtype), else the
+    :class:`QuantizedWeight`'s format (``"fp8"`` or ``"mxfp4"``).
+
+    Raises:
+        FuseMLATypeError: ``w`` is neither.
+    """
+    if isinstance(w, torch.Tensor):
+        return "plain"
+    if isinstance(w, QuantizedWeight):
+        return w.format
+    raise FuseMLATypeError(
+        f"weight: expected a torch.Tensor or a fusemla.quant.QuantizedWeight, got {describe(w)}"
+    )
+
+
+def weight_parts(w: object) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """``(data, scale, format)`` of a weight: a plain tensor is its own data, with no scale."""
+    fmt = weight_format(w)
+    return (w, None, fmt) if fmt == "plain" else (w.data, w.scale, fmt)
 
 
 # ----------------------------------------------------------------------------- fp8

@@ -90,8 +90,10 @@ class PrologueSpec:
 
     @property
     def weight_format(self) -> str:
-        """ "plain", "fp8" or "mxfp4"."""
-        return "plain" if isinstance(self.w_uk_t, torch.Tensor) else self.w_uk_t.format
+        """ "plain", "fp8" or "mxfp4" (:func:`fusemla.quant.weight_format`)."""
+        from fusemla.quant import weight_format
+
+        return weight_format(self.w_uk_t)
 
     @property
     def act_dtype(self) -> torch.dtype | None:
@@ -142,6 +144,10 @@ class PrologueArgs:
     @property
     def act_quant(self) -> str | None:
         return self.spec.act_quant
+
+    @property
+    def weight_format(self) -> str:
+        return self.spec.weight_format
 
     @property
     def N(self) -> int:
@@ -247,6 +253,11 @@ def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype 
                 f"w_uk_t: expected a quantized weight of shape [H={H}, P={P}, L={L}], got "
                 f"format {w_uk_t.format!r} with shape {tuple(w_uk_t.shape)}"
             )
+        if w_uk_t.block is not None:
+            raise FuseMLAValueError(
+                f"w_uk_t: FP8 block scales (block={w_uk_t.block}) are not read by the prologue "
+                "kernel yet: quantize per tensor or per head (fusemla.quant.quantize_fp8_weight)"
+            )
         return w_uk_t
     w_uk_t = _tensor("w_uk_t", w_uk_t)
     if dims is None:
@@ -336,7 +347,9 @@ def build_spec(
 
     if act_quant not in ACT_QUANTS:
         raise FuseMLAValueError(f"act_quant: expected None or 'fp8', got {act_quant!r}")
-    w_format = "plain" if isinstance(w_uk_t, torch.Tensor) else w_uk_t.format
+    from fusemla.quant import weight_format, weight_parts
+
+    w_format = weight_format(w_uk_t)
     if act_quant == "fp8" and w_format != "fp8":
         raise FuseMLAValueError(
             "act_quant: 'fp8' (an FP8 x FP8 BMM) needs FP8 weights (a QuantizedWeight of "
@@ -345,10 +358,11 @@ def build_spec(
         )
 
     device = cos_cache.device
+    w_data, w_scale, _ = weight_parts(w_uk_t)
     w_parts = (
-        [("w_uk_t", w_uk_t)]
-        if isinstance(w_uk_t, torch.Tensor)
-        else [("w_uk_t.data", w_uk_t.data), ("w_uk_t.scale", w_uk_t.scale)]
+        [("w_uk_t", w_data)]
+        if w_scale is None
+        else [("w_uk_t.data", w_data), ("w_uk_t.scale", w_scale)]
     )
     named = [*w_parts, ("sin_cache", sin_cache)]
     if isinstance(q_scale, torch.Tensor):

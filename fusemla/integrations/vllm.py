@@ -38,7 +38,7 @@ uses.
 fused decode BMM reads: ``fp8`` quantizes vLLM's W_UK_T to FP8 per head (once per layer, at its
 first fused step, and again if vLLM replaces or reloads the weight) and runs FP8 weights with
 the activations as they are; ``fp8xfp8`` also quantizes the activations in the kernel
-(``act_quant="fp8"``, an FP8 x FP8 dot). Both change the numbers (README: FP8 absorbed BMM);
+(``act_quant="fp8"``, an FP8 x FP8 dot). Both change the numbers (docs/results.md: FUSEMLA_VLLM_W_UK against vLLM's bf16 path);
 vLLM's own path (decode half off, fallbacks, prefill) keeps vLLM's weights.
 
 Importing this module does not import vLLM; :func:`register` does.

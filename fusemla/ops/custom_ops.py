@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from fusemla.contracts.prologue import PrologueArgs, PrologueSpec, split_scale
+from fusemla.quant import weight_parts
 
 #: the read tensors, in :func:`pack`'s order (None where absent: a plain weight's scale, float
 #: scales passed by value)
@@ -47,9 +48,8 @@ def pack(args: PrologueArgs) -> tuple[list, list, list, list, str]:
     """``(ins, outs, ints, floats, w_format)``: what the registered op takes."""
     spec = args.spec
     w = spec.w_uk_t
-    w_data, w_scale, w_format = (
-        (w, None, "") if isinstance(w, torch.Tensor) else (w.data, w.scale, w.format)
-    )
+    w_data, w_scale, w_format = weight_parts(w)
+    w_format = "" if w_format == "plain" else w_format
     kv_t, kv_v = split_scale(args.kv_scale)
     q_t, q_v = split_scale(spec.q_scale)
     ins = [

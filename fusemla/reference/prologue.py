@@ -66,10 +66,10 @@ def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
     """
     qn = args.q_nope[: args.D].transpose(0, 1)  # [H, D, P]
     w = args.w_uk_t
-    if isinstance(w, torch.Tensor):
+    if args.weight_format == "plain":
         out = torch.bmm(qn.float(), w.float()) if fp32 else torch.bmm(qn, w)
         return out.transpose(0, 1)
-    if w.format == "mxfp4":
+    if args.weight_format == "mxfp4":
         return torch.bmm(qn.float(), w.dequantize(torch.float32)).transpose(0, 1)
     if args.act_quant == "fp8":
         codes, a_scale = quantize_activations_fp8(qn, w.data.dtype)

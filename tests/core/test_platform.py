@@ -13,13 +13,16 @@ import torch
 from fusemla import cli, config
 from fusemla import platform as plat
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
-from fusemla.platform import (
-    PlatformInfo,
+from fusemla.ops.prologue import policy
+from fusemla.ops.prologue.policy import (
     choose_mxfp4_path,
     choose_prologue_variant,
+    mxfp4_tiles_fit,
+)
+from fusemla.platform import (
+    PlatformInfo,
     default_fp8_weight_dtype,
     detect,
-    mxfp4_tiles_fit,
     platform_from,
     report_lines,
 )
@@ -382,7 +385,7 @@ def _report(info: PlatformInfo) -> str:
     """The platform report and the environment table, as ``fusemla info`` prints them."""
     from fusemla import envs
 
-    lines = report_lines(info) + envs.report()
+    lines = report_lines(info) + policy.report_lines(info) + envs.report()
     assert all(isinstance(line, str) for line in lines)
     return "\n".join(lines)
 
@@ -537,12 +540,28 @@ def test_pdl_choice(monkeypatch):
     assert plat.supports_pdl(platform_from("cuda", "sm_89")) is False
     assert plat.supports_pdl(platform_from("rocm", "gfx942")) is False
     assert plat.supports_pdl(platform_from("interpreter")) is False
-    assert plat.choose_pdl(h200) is ok
+    assert policy.choose_pdl(h200) is ok
     monkeypatch.setenv("FUSEMLA_PDL", "off")
-    assert plat.choose_pdl(h200) is False
+    assert policy.choose_pdl(h200) is False
     monkeypatch.setenv("FUSEMLA_PDL", "on")
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_PDL=on.*sm_89"):
-        plat.choose_pdl(platform_from("cuda", "sm_89"))
+        policy.choose_pdl(platform_from("cuda", "sm_89"))
     monkeypatch.setenv("FUSEMLA_PDL", "sometimes")
     with pytest.raises(FuseMLAValueError, match="FUSEMLA_PDL"):
-        plat.choose_pdl(h200)
+        policy.choose_pdl(h200)
+
+
+def test_info_prints_the_plan():
+    """`fusemla info` asks the plan function (no second derivation): under the interpreter one
+    row per weight format and decode batch, with the bucket the tile tables give that batch."""
+    from fusemla.ops.prologue import configs
+
+    rows = cli.plan_lines(platform_from("interpreter"))
+    assert rows[0].startswith("  launch plan at H=16")
+    body = rows[1:]
+    assert len(body) == 6 and not any("error" in r for r in body), rows
+    for r, n in zip(body, (1, 64, 512, 1, 64, 512)):
+        assert f"{n:>3} decode tokens: {configs.batch_bucket(n)} tiles" in r, r
+    assert cli.plan_lines(platform_from("cpu")) == [
+        "  launch plan: none (no Triton backend here: the PyTorch fallback runs)"
+    ]

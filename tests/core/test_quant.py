@@ -17,6 +17,8 @@ from fusemla.quant import (
     quantize_fp8_weight,
     quantize_mxfp4_weight,
     split_kv_b_proj,
+    weight_format,
+    weight_parts,
 )
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -170,7 +172,7 @@ def test_fp8_per_head(gen, dtype):
 
 def test_fp8_layouts(gen):
     """K-major (the default) and contiguous FP8 data hold the same codes; both construct, keep
-    their layout through ``.to`` and dequantize the same."""
+    their layout through the one weight-parts rule and dequantize the same."""
     w = _randn(gen, 3, 32, 24)
     km = quantize_fp8_weight(w, per_head=True)
     cont = quantize_fp8_weight(w, per_head=True, k_major=False)
@@ -180,7 +182,7 @@ def test_fp8_layouts(gen):
     assert torch.equal(km.data.view(torch.uint8), cont.data.view(torch.uint8))
     assert torch.equal(km.scale, cont.scale)
     assert torch.equal(km.dequantize(), cont.dequantize())
-    assert km.to("cpu").k_major
+    assert weight_parts(km)[0] is km.data and weight_parts(km)[2] == "fp8"
     assert QuantizedWeight(km.data, km.scale, "fp8").k_major
     assert not quantize_mxfp4_weight(w).k_major
 
@@ -482,3 +484,69 @@ def test_dequantize_bad_dtype():
     qw = quantize_fp8_weight(torch.ones(1, 4, 4))
     with pytest.raises(FuseMLATypeError, match="dtype"):
         qw.dequantize(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# the one weight type: format rule, parts, 128x128 block scales (W_UK_T and W_UV orientations)
+# --------------------------------------------------------------------------------------------
+
+
+def test_weight_format_is_the_one_rule(gen):
+    w = _randn(gen, 2, 32, 16).to(torch.bfloat16)
+    fp8, mx = quantize_fp8_weight(w), quantize_mxfp4_weight(w)
+    assert [weight_format(x) for x in (w, fp8, mx)] == ["plain", "fp8", "mxfp4"]
+    assert weight_parts(w) == (w, None, "plain")
+    data, scale, fmt = weight_parts(fp8)
+    assert data is fp8.data and scale is fp8.scale and fmt == "fp8"
+    for bad in (None, 3, w.float().numpy()):
+        with pytest.raises(FuseMLATypeError, match="^weight: expected a torch.Tensor or"):
+            weight_format(bad)
+
+
+@pytest.mark.parametrize("H, K, N", [(2, 256, 384), (3, 200, 130), (1, 128, 128)])
+def test_block_scales_as_the_checkpoint_stores_them(gen, H, K, N):
+    """A per-head block-FP8 weight [H, K, N] with scales [H, ceil(K/128), ceil(N/128)]
+    dequantizes exactly as the checkpoint's [H*K, N] tensor with its [ceil(H*K/128),
+    ceil(N/128)] weight_scale_inv does (where K is a multiple of 128 the per-head blocks are
+    the checkpoint's own rows); edge blocks are partial; the transposed orientation (W_UV
+    [H, L, V] from W_UV^T) takes the transposed scales."""
+    codes = (_randn(gen, H, K, N) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sk, sn = -(-K // 128), -(-N // 128)
+    scale = torch.rand(H, sk, sn, generator=gen) + 0.01
+    qw = QuantizedWeight(codes, scale, "fp8", block=(128, 128))
+    assert qw.granularity == "block" and qw.shape == (H, K, N) and (qw.K, qw.N) == (qw.P, qw.L)
+    rows = torch.arange(K) // 128
+    cols = torch.arange(N) // 128
+    expect = codes.float() * scale[:, rows][:, :, cols]
+    assert torch.equal(qw.dequantize(), expect)
+    if K % 128 == 0:  # the checkpoint's own layout: heads stacked along the rows
+        ckpt = dequantize_block_fp8(codes.reshape(H * K, N), scale.reshape(H * sk, sn))
+        assert torch.equal(qw.dequantize().reshape(H * K, N), ckpt)
+    t = QuantizedWeight(codes.transpose(1, 2), scale.transpose(1, 2).contiguous(), "fp8",
+                        block=(128, 128))  # fmt: skip
+    assert t.k_major and t.shape == (H, N, K)
+    assert torch.equal(t.dequantize(), expect.transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda c, s: QuantizedWeight(c, s[:, :1], "fp8", block=(128, 128)), FuseMLAValueError,
+         r"scale: expected shape \[H, ceil\(K / 128\), ceil\(N / 128\)\] = \[2, 2, 3\]"),
+        (lambda c, s: QuantizedWeight(c, s, "fp8", block=(128, 0)), FuseMLAValueError,
+         "block: expected a pair of positive ints"),
+        (lambda c, s: QuantizedWeight(c, s, "fp8", block=[128, 128]), FuseMLAValueError,
+         "block: expected a pair"),
+        (lambda c, s: QuantizedWeight(c, s, "fp8"), FuseMLAValueError,
+         r"scale: expected shape \[1\] \(per tensor\) or \[H=2\]"),
+        (lambda c, s: QuantizedWeight(torch.zeros(2, 128, 128, dtype=torch.uint8),
+                                      torch.zeros(2, 4, 128, dtype=torch.uint8), "mxfp4",
+                                      block=(128, 128)), FuseMLAValueError,
+         "block: block scales are FP8 weights'"),
+    ],
+)  # fmt: skip
+def test_block_scales_rejected(make, exc, match):
+    codes = torch.zeros(2, 256, 384, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(2, 2, 3)
+    with pytest.raises(exc, match=match):
+        make(codes, scale)

@@ -76,7 +76,7 @@ def mla_prologue(
     - ``act_quant``: None, or ``"fp8"`` with FP8 weights: the decode tokens' ``q_nope`` is
       quantized in the kernel to the weight's FP8 format, one scale per (token, head)
       (``amax / fp8_max`` over its P values), and the BMM runs FP8 x FP8 on the tensor cores.
-      It changes the numbers (see the README's FP8 section), so it is never chosen for you.
+      It changes the numbers (docs/results.md, 'The 0.5.0 kernel: FP8 absorbed BMM'), so it is never chosen for you.
 
     Every token: cache row ``slot`` = ``[kv_c, rope(k_pe)]`` (FP8: ``saturate(x / kv_scale)``,
     rounded to nearest even). Decode tokens: ``q[t] = [q_nope[t] @ w_uk_t[h], rope(q_pe[t])]``.

@@ -44,17 +44,14 @@ _overrides: dict[str, Any] = {}
 
 # (BLOCK_L, BLOCK_T, num_warps, num_stages, programs_per_sm, ROPE_ROWS, CACHE_ROWS): the best of
 # sweeps on an H200 at DeepSeek-V3 dims, every config checked against the reference first
-# (benchmarks/results/h200_explore_v2_phase*.json, from a one-off script since folded into
-# `bench_prologue.py --sweep`, whose grid is the phase-2/3 one). Phases 1-2 ran with PDL on;
-# phase 3 (B <= 8, PDL off) put these bf16 small-batch tiles within 0.3 us of its best.
+# (`python -m benchmarks.bench_prologue --sweep`; the runs and their times:
+# benchmarks/results/h200_explore_v2_phase*.json, docs/results.md).
 _CUDA_TILES = {
     # (heads <= 32, bucket, weight format or None for any)
     (True, "small", None): (128, 16, 4, 3, 2.0, 64, 1),
     # small batch, bf16 / FP8 weights: one program per (head, L-tile), no pipelining; FP8
-    # weights K-major (quantize_fp8_weight's default). From the layout probe
-    # (benchmarks/results/h200_layout_probe_*.json, PDL off): bf16 H16 B1/8 4.40/4.50 ->
-    # 3.72/3.75 us and H128 9.13/9.42 -> 8.19/8.42 us (the persistent pipelined tiles lost);
-    # FP8 H128 8.87/9.22 (L-major) -> 7.99/8.14 us (K-major)
+    # weights K-major (quantize_fp8_weight's default); chosen by the layout probe
+    # (benchmarks/results/h200_layout_probe_*.json: the persistent pipelined tiles lost there)
     (True, "small", "plain"): (128, 16, 4, 1, 0.0, 64, 1),
     (True, "small", "fp8"): (64, 16, 4, 1, 0.0, 64, 1),
     (True, "small", "fp8xfp8"): (64, 16, 8, 1, 0.0, 64, 1),

@@ -16,8 +16,9 @@ from fusemla import config, platform
 from fusemla.contracts.prologue import PrologueArgs, check_device_values, split_scale
 from fusemla.dtypes import fp8_code
 from fusemla.errors import FuseMLATypeError, describe
-from fusemla.ops.prologue import configs
+from fusemla.ops.prologue import configs, policy
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
+from fusemla.quant import weight_parts
 
 
 @functools.cache
@@ -34,23 +35,17 @@ def backend_of(device: torch.device, info: platform.PlatformInfo | None = None) 
     return be
 
 
-def weight_format(w: object) -> str:
-    return "plain" if isinstance(w, torch.Tensor) else w.format
-
-
 def tile_format(args: PrologueArgs) -> str:
     """The format key of the tile tables (:func:`fusemla.ops.prologue.configs.tiles`): the
     weight format, or "fp8xfp8" for FP8 weights with ``act_quant="fp8"``."""
-    fmt = weight_format(args.w_uk_t)
-    return "fp8xfp8" if args.act_quant == "fp8" else fmt
+    return "fp8xfp8" if args.act_quant == "fp8" else args.weight_format
 
 
 def _check_formats(args: PrologueArgs, backend: str) -> None:
     """FP8 formats the backend's Triton can store: NVIDIA has no float8_e4m3fnuz (MI300's)."""
     if backend != "cuda":
         return
-    w = args.w_uk_t
-    w_data = w if isinstance(w, torch.Tensor) else w.data
+    w_data = weight_parts(args.w_uk_t)[0]
     for name, t in (("kv_cache", args.kv_cache), ("out", args.q), ("w_uk_t.data", w_data)):
         if t.dtype == torch.float8_e4m3fnuz:
             raise FuseMLATypeError(
@@ -72,7 +67,7 @@ class LaunchPlan:
     act_quant: str | None  # None or "fp8" (FP8 x FP8 dot)
     tile_format: str  # the tile tables' key: weight_format, or "fp8xfp8"
     bucket: str  # "small", "medium" or "large" (by the decode token count)
-    variant: platform.PrologueVariant
+    variant: policy.PrologueVariant
     pdl: bool  # programmatic dependent launch
     cfg: dict
     bmm_items: int  # (head, L-tile, token-tile) work items
@@ -99,19 +94,18 @@ def plan(
     N, D, H, P, R, L = args.N, args.D, args.H, args.P, args.R, args.L
     info = info or platform.detect(args.q_nope.device)
     backend = backend_of(args.q_nope.device, info)
-    fmt, tfmt = weight_format(args.w_uk_t), tile_format(args)
+    fmt, tfmt = args.weight_format, tile_format(args)
     if cfg is None:
         bucket, cfg = configs.tiles(H, P, R, L, D, backend, tfmt)
     else:
         bucket = configs.batch_bucket(D)
-    variant = platform.choose_prologue_variant(
+    variant = policy.choose_prologue_variant(
         info, weight_format=fmt, P=P, L=L, block_l=cfg["BLOCK_L"]
     )
     w_fmt, mx_native = variant.kernel_flags
-    pdl = platform.choose_pdl(info)
+    pdl = policy.choose_pdl(info)
     interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
-    w = args.w_uk_t
-    w_dtype = (w if isinstance(w, torch.Tensor) else w.data).dtype
+    w_dtype = weight_parts(args.w_uk_t)[0].dtype
     constexprs = dict(
         H=H,
         P=P,
@@ -166,13 +160,9 @@ def launch(args: PrologueArgs, cfg: dict | None = None) -> None:
         return
     pl = plan(args, platform.detect(args.q_nope.device), cfg)  # detected once per launch
     _check_formats(args, pl.backend)
-    w = args.w_uk_t
-    if pl.weight_format == "plain":
-        w_data, w_scale, s_ws_h, s_ws_p = w, None, 0, 0
-    else:
-        w_data, w_scale = w.data, w.scale
-        s_ws_h = w.scale.stride(0) if w.scale.numel() > 1 else 0
-        s_ws_p = w.scale.stride(1) if w.scale.dim() > 1 else 0
+    w_data, w_scale, _ = weight_parts(args.w_uk_t)
+    s_ws_h = w_scale.stride(0) if w_scale is not None and w_scale.numel() > 1 else 0
+    s_ws_p = w_scale.stride(1) if w_scale is not None and w_scale.dim() > 1 else 0
     p_kv_scale, kv_scale_value = split_scale(args.kv_scale)
     p_q_scale, q_scale_value = split_scale(args.q_scale)
     launch_opts = {"launch_pdl": True} if pl.pdl else {}
