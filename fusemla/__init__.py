@@ -4,7 +4,8 @@ Attention.
 Layout (arrows point one way: layers -> ops -> Triton helpers; integrations -> ops):
 ``fusemla.ops`` (Triton kernels, custom ops), ``fusemla.reference`` (plain PyTorch),
 ``fusemla.layers`` (:class:`MLAAttention`), ``fusemla.metadata`` (per-step batch metadata),
-``fusemla.integrations`` (engines, imported lazily), ``fusemla.testing`` (inputs, comparison).
+``fusemla.integrations`` (engines, imported lazily), ``fusemla.testing`` (dims, models, inputs,
+comparison, toy scheduler, launch spy).
 
 The public names are imported lazily, so ``import fusemla`` does not import Triton: a program
 may still set ``TRITON_INTERPRET=1`` after importing the package and before the first op runs.

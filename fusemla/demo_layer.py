@@ -13,85 +13,31 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-_YARN = dict(
-    type="yarn",
-    factor=40.0,
-    original_max_position_embeddings=4096,
-    beta_fast=32,
-    beta_slow=1,
-    mscale=1.0,
-    mscale_all_dim=1.0,
-)
+from fusemla.testing.dims import DEEPSEEK_V3_LAYER, SMALL_LAYER, TP8_LAYER, hf_config
+from fusemla.testing.models import random_state_dict
+
+#: the demo's old name of :func:`fusemla.testing.models.random_state_dict`
+random_weights = random_state_dict
 
 
 def deepseek_v3_config(num_heads: int = 128) -> dict:
     """DeepSeek-V3's attention config with ``num_heads`` heads (16: one tensor-parallel-8 shard)."""
-    return dict(
-        hidden_size=7168,
-        num_attention_heads=num_heads,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        max_position_embeddings=163840,
-        rope_theta=10000.0,
-        rope_interleave=True,
-        rope_scaling=dict(_YARN),
-    )
+    return hf_config(DEEPSEEK_V3_LAYER.replace(H=num_heads))
 
 
 def layer_config(device: str) -> dict:
     """A DeepSeek-V3-style attention config: small under the interpreter, V3 dims (16 heads,
     one tensor-parallel-8 shard) on a GPU."""
-    if device == "cuda":
-        return deepseek_v3_config(16)
-    return dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        q_lora_rank=48,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        max_position_embeddings=163840,
-        rope_theta=10000.0,
-        rope_interleave=True,
-        rope_scaling=dict(_YARN),
-    )
+    return hf_config(TP8_LAYER if device == "cuda" else SMALL_LAYER)
 
 
-def random_weights(cfg: dict, g, dtype, device) -> dict:
-    import torch
-
-    H, hid = cfg["num_attention_heads"], cfg["hidden_size"]
-    P, R, V = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    L, QL = cfg["kv_lora_rank"], cfg["q_lora_rank"]
-
-    def w(n_out, n_in):
-        return (torch.randn(n_out, n_in, generator=g) * n_in**-0.5).to(dtype).to(device)
-
-    def norm(n):
-        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
-
-    return {
-        "q_a_proj.weight": w(QL, hid),
-        "q_a_layernorm.weight": norm(QL),
-        "q_b_proj.weight": w(H * (P + R), QL),
-        "kv_a_proj_with_mqa.weight": w(L + R, hid),
-        "kv_a_layernorm.weight": norm(L),
-        "kv_b_proj.weight": w(H * (P + V), L),
-        "o_proj.weight": w(hid, H * V),
-    }
-
-
-#: (request id, context tokens, new tokens) per step: step 0 prefills three prompts; later
-#: steps mix decodes with a fourth request's chunked prefill
+#: (request id, new tokens) per step: step 0 prefills three prompts; later steps mix decodes
+#: with a fourth request's chunked prefill
 SCHEDULE = [
-    [("a", 0, 7), ("b", 0, 19), ("c", 0, 4)],
-    [("a", 7, 1), ("b", 19, 1), ("c", 4, 1), ("d", 0, 12)],
-    [("a", 8, 1), ("c", 5, 1), ("d", 12, 9), ("b", 20, 1)],
-    [("a", 9, 1), ("b", 21, 1), ("c", 6, 1), ("d", 21, 1)],
+    [("a", 7), ("b", 19), ("c", 4)],
+    [("a", 1), ("b", 1), ("c", 1), ("d", 12)],
+    [("a", 1), ("c", 1), ("d", 9), ("b", 1)],
+    [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
 ]
 
 
@@ -107,19 +53,18 @@ def run(device: str, seed: int, kv_fp8: bool) -> LayerDemoResult:
 
     from fusemla.config import MLAConfig
     from fusemla.layers.mla import MLAAttention
-    from fusemla.metadata import BlockAllocator, RequestStep, build_metadata
-    from fusemla.testing import poisoned_cache
+    from fusemla.testing import BlockAllocator, Scheduler, poisoned_cache
 
     res = LayerDemoResult()
     cfg = layer_config(device)
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16
     layer = MLAAttention.from_state_dict(
-        random_weights(cfg, g, dtype, device), cfg, max_position=4096
+        random_state_dict(cfg, g, dtype, device), cfg, max_position=4096
     )
     L, R = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     block_size = 16
-    alloc = BlockAllocator(32, block_size, seed=seed)
+    scheduler = Scheduler(BlockAllocator(32, block_size, seed=seed), device=device)
     kv_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
     kv_scale = 0.05 if kv_fp8 else None
     caches = {c: poisoned_cache(32, block_size, L + R, kv_dtype, device) for c in ("f", "u")}
@@ -132,7 +77,7 @@ def run(device: str, seed: int, kv_fp8: bool) -> LayerDemoResult:
     for i, step in enumerate(SCHEDULE):
         if show_progress:
             print(f"  layer step {i + 1}/{len(SCHEDULE)} ...", end="\r", flush=True)
-        md, order = build_metadata([RequestStep(r, c, n) for r, c, n in step], alloc, device=device)
+        md, _ = scheduler.step(step)
         x = torch.randn(md.num_tokens, cfg["hidden_size"], generator=g).to(dtype).to(device)
         out, wall = {}, {}
         for c in ("f", "u"):

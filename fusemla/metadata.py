@@ -1,4 +1,4 @@
-"""Per-step batch metadata for paged MLA attention, a paged block allocator and a batch builder.
+"""Per-step batch metadata for paged MLA attention: :class:`BatchMetadata` and its views.
 
 An engine step is described once, on the host, by a :class:`BatchMetadata` and handed unchanged to
 every op and layer of the step. It follows vLLM's conventions (which SGLang and others mirror):
@@ -15,28 +15,35 @@ every op and layer of the step. It follows vLLM's conventions (which SGLang and 
 * A *padding request* (CUDA-graph capture at a fixed decode batch) is a decode row with
   ``seq_len == 0``: its one token has slot ``-1`` and position 0, and its block-table row is 0.
 
-Validation never synchronizes a device: it reads the host copies (``query_start_loc_cpu``,
-``seq_lens_cpu`` and, when present, ``block_table_cpu``) and the tensors' shapes, dtypes, strides
-and devices, never their values. What only a device value could tell is not checked: that the
-tensors hold the same numbers as the host copies, and the values of ``slot_mapping`` and
-``positions``. :func:`build_metadata` produces them consistent by construction.
+Built once per step, with the metadata: its decode and prefill parts (vLLM's
+``MLACommonMetadata.decode`` / ``.prefill``), :attr:`BatchMetadata.decode` (a
+:class:`DecodeMetadata`) and :attr:`BatchMetadata.prefill` (a :class:`PrefillMetadata`, one
+:class:`PrefillRequest` per prefill request), each None when the step has no such request. Their
+tensors are views of the step's tensors, so every layer of the step reads the same ones and
+none cuts the batch itself; writing into the step's tensors (a CUDA graph's static metadata)
+changes the views too.
+
+Validation (on construction) never synchronizes a device: it reads the host copies
+(``query_start_loc_cpu``, ``seq_lens_cpu`` and, when present, ``block_table_cpu``) and the
+tensors' shapes, dtypes, strides and devices, never their values. What only a device value could
+tell is not checked: that the tensors hold the same numbers as the host copies, and the values of
+``slot_mapping`` and ``positions``.
+
+A toy scheduler that builds consistent metadata (a paged block allocator and a batch builder,
+for tests, demos and benchmarks) is :mod:`fusemla.testing.scheduler`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import random
-from collections import deque
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fusemla.errors import FuseMLATypeError, FuseMLAValueError, describe
 
 PADDING_SLOT = -1  # slot_mapping value of a token that writes nothing
-PADDING_ROW = -1  # value of ``order[i]`` (from build_metadata) for a padding request row
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -74,15 +81,64 @@ def _tensor(
     return x
 
 
-def _hashable(name: str, x: object) -> None:
-    if not isinstance(x, Hashable):
-        raise FuseMLATypeError(f"{name}: expected a hashable request id, got {describe(x)}")
-    try:
-        hash(x)  # only to reject e.g. a tuple holding a list; never used for ordering or seeds
-    except TypeError:
-        raise FuseMLATypeError(
-            f"{name}: expected a hashable request id, got {describe(x)}"
-        ) from None
+# ----------------------------------------------------------------------------- views
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeMetadata:
+    """The decode part of a step (:attr:`BatchMetadata.decode`): requests and tokens
+    ``[0, num_tokens)``, one token each, padding requests included. Views of the step's tensors.
+
+    ``block_table``: ``[D, max_blocks]``; ``seq_lens``, ``slot_mapping``, ``positions``: ``[D]``.
+    """
+
+    num_tokens: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillRequest:
+    """One prefill request: its tokens are ``[start, end)`` of the prefill part (add
+    :attr:`PrefillMetadata.token_start` for the batch's), ``seq_len`` = cached + new tokens,
+    ``block_table``: ``[1, ceil(seq_len / block_size)]``, a view of its block-table row."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_table: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens this step."""
+        return self.end - self.start
+
+    @property
+    def context_len(self) -> int:
+        """Tokens already in the cache before this step."""
+        return self.seq_len - (self.end - self.start)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillMetadata:
+    """The prefill part of a step (:attr:`BatchMetadata.prefill`): requests
+    ``[num_decodes, num_reqs)``, tokens ``[token_start, token_start + num_tokens)`` of the batch.
+    Views of the step's tensors.
+
+    ``block_table``: ``[num_prefills, max_blocks]``; ``seq_lens``: ``[num_prefills]``;
+    ``slot_mapping``, ``positions``: ``[num_tokens]``; ``requests``: one
+    :class:`PrefillRequest` per prefill request, in batch order.
+    """
+
+    token_start: int
+    num_tokens: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    requests: tuple[PrefillRequest, ...]
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -110,7 +166,8 @@ class BatchMetadata:
         ints); when given, :meth:`validate` checks its block ids against ``num_slots``.
 
     All tensors live on one device; 1-D tensors are contiguous. Lists given for the host copies are
-    stored as tuples. Checks run on construction (see :meth:`validate`); the object is immutable.
+    stored as tuples. Checks run once, on construction (see :meth:`validate`), and build the two
+    views :attr:`decode` and :attr:`prefill`; the object is immutable.
     """
 
     num_decode_tokens: int
@@ -126,6 +183,10 @@ class BatchMetadata:
     query_start_loc_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     block_table_cpu: tuple[tuple[int, ...], ...] | None = None
+    #: the decode part (None: no decode request), built on construction
+    decode: DecodeMetadata | None = field(init=False, repr=False)
+    #: the prefill part (None: no prefill request), built on construction
+    prefill: PrefillMetadata | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Normalize the host-side values (numpy ints -> int, lists -> tuples), then check all.
@@ -148,7 +209,9 @@ class BatchMetadata:
                 "block_table_cpu",
                 tuple(_int_tuple(f"block_table_cpu[{r}]", row) for r, row in enumerate(rows)),
             )
-        self.validate()
+        self._check()
+        object.__setattr__(self, "decode", self._decode_view())
+        object.__setattr__(self, "prefill", self._prefill_view())
 
     # ------------------------------------------------------------------------- derived values
 
@@ -189,6 +252,9 @@ class BatchMetadata:
     def validate(self, *, num_slots: int | None = None) -> None:
         """Check the metadata from host values only (never reads a device tensor's values).
 
+        Construction already ran these checks (without ``num_slots``); call it again only to
+        add the cache's ``num_slots`` (or use :meth:`check_num_slots`, which checks just that).
+
         Checked: counts are ints >= 0 (``block_size`` >= 1); the tensors have the documented
         ranks, shapes and dtypes, unit stride in their last dim, and share one device;
         ``query_start_loc_cpu`` has ``num_reqs + 1`` entries, starts at 0, never decreases and ends
@@ -210,6 +276,12 @@ class BatchMetadata:
             FuseMLATypeError: a wrong Python type, dtype or device.
             FuseMLAValueError: a wrong shape, count or value.
         """
+        self._check()
+        if num_slots is not None:
+            self.check_num_slots(num_slots)
+
+    def _check(self) -> None:
+        """:meth:`validate` without ``num_slots``: what construction checks."""
         D = _int("num_decode_tokens", self.num_decode_tokens)
         num_prefill_tokens = _int("num_prefill_tokens", self.num_prefill_tokens)
         num_decodes = _int("num_decodes", self.num_decodes)
@@ -335,8 +407,12 @@ class BatchMetadata:
                         f"{len(row)}"
                     )
 
-        if num_slots is None:
-            return
+    def check_num_slots(self, num_slots: int) -> None:
+        """Check the metadata against a KV cache of ``num_slots = num_blocks * block_size`` rows:
+        a positive multiple of ``block_size``, at least ``max_seq_len`` (the longest request
+        fits) and, when ``block_table_cpu`` is present, above every block id in it (host values
+        only). Raises as :meth:`validate`."""
+        bs, max_seq_len, rows = self.block_size, self.max_seq_len, self.block_table_cpu
         num_slots = _int("num_slots", num_slots, minimum=1)
         if num_slots % bs:
             raise FuseMLAValueError(
@@ -357,6 +433,42 @@ class BatchMetadata:
                             f"block_table_cpu[{r}][{j}]: expected a block id < num_blocks = "
                             f"num_slots // block_size = {num_blocks}, got {block}"
                         )
+
+    # ------------------------------------------------------------------------- views
+
+    def _decode_view(self) -> DecodeMetadata | None:
+        # narrow(), not indexing: a view by host ints, whatever the device (no sync)
+        nd = self.num_decodes
+        if nd == 0:
+            return None
+        return DecodeMetadata(
+            num_tokens=nd,
+            block_table=self.block_table.narrow(0, 0, nd),
+            seq_lens=self.seq_lens.narrow(0, 0, nd),
+            slot_mapping=self.slot_mapping.narrow(0, 0, nd),
+            positions=self.positions.narrow(0, 0, nd),
+        )
+
+    def _prefill_view(self) -> PrefillMetadata | None:
+        nd, npf, D = self.num_decodes, self.num_prefills, self.num_decode_tokens
+        if npf == 0:
+            return None
+        n, bs, qsl = self.num_prefill_tokens, self.block_size, self.query_start_loc_cpu
+        table = self.block_table.narrow(0, nd, npf)
+        requests = []
+        for i, r in enumerate(range(nd, nd + npf)):
+            seq_len = self.seq_lens_cpu[r]
+            blocks = table.narrow(0, i, 1).narrow(1, 0, math.ceil(seq_len / bs))
+            requests.append(PrefillRequest(qsl[r] - D, qsl[r + 1] - D, seq_len, blocks))
+        return PrefillMetadata(
+            token_start=D,
+            num_tokens=n,
+            block_table=table,
+            seq_lens=self.seq_lens.narrow(0, nd, npf),
+            slot_mapping=self.slot_mapping.narrow(0, D, n),
+            positions=self.positions.narrow(0, D, n),
+            requests=tuple(requests),
+        )
 
     # ------------------------------------------------------------------------- moves
 
@@ -379,277 +491,14 @@ class BatchMetadata:
         )
 
 
-def token_request_index(md: BatchMetadata) -> torch.Tensor:
-    """``[num_tokens]`` int64: the request row of each token, built on the host, on md's device."""
-    if not isinstance(md, BatchMetadata):
-        raise FuseMLATypeError(f"md: expected a BatchMetadata, got {describe(md)}")
-    rows = torch.arange(md.num_reqs, dtype=torch.int64)
-    q_lens = torch.tensor(md.query_lens_cpu, dtype=torch.int64)
-    return torch.repeat_interleave(rows, q_lens).to(md.device)
+#: names that lived here until 0.5.0 and moved with the toy scheduler
+_MOVED = ("BlockAllocator", "RequestStep", "build_metadata", "PADDING_ROW", "token_request_index")
 
 
-# ----------------------------------------------------------------------------- allocator
-
-
-class BlockAllocator:
-    """A paged KV-cache block allocator (for tests, demos and benchmarks; no prefix sharing).
-
-    The ``num_blocks`` free blocks are handed out first-in first-out, starting from a seeded
-    shuffle of ``range(num_blocks)`` (``shuffle=False``: ascending). The shuffle uses
-    ``random.Random(seed)``, so it is the same in every process and on every platform. Freed
-    blocks go to the back of the free queue. Each request owns a list of blocks, block ``j``
-    holding its positions ``[j * block_size, (j + 1) * block_size)``.
-    """
-
-    def __init__(
-        self, num_blocks: int, block_size: int, *, seed: int = 0, shuffle: bool = True
-    ) -> None:
-        self._num_blocks = _int("num_blocks", num_blocks, minimum=1)
-        self._block_size = _int("block_size", block_size, minimum=1)
-        seed = _int("seed", seed)
-        if not isinstance(shuffle, bool):
-            raise FuseMLATypeError(f"shuffle: expected a bool, got {describe(shuffle)}")
-        order = list(range(self._num_blocks))
-        if shuffle:
-            random.Random(seed).shuffle(order)
-        self._free: deque[int] = deque(order)
-        self._blocks: dict[Hashable, list[int]] = {}
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the cache."""
-        return self._num_blocks
-
-    @property
-    def block_size(self) -> int:
-        """Cache rows per block."""
-        return self._block_size
-
-    @property
-    def num_slots(self) -> int:
-        """Rows of the cache: ``num_blocks * block_size`` (what ``validate(num_slots=)`` takes)."""
-        return self._num_blocks * self._block_size
-
-    @property
-    def num_free(self) -> int:
-        """Blocks not owned by any request."""
-        return len(self._free)
-
-    def blocks_of(self, request_id: Hashable) -> list[int]:
-        """A copy of the request's block list (empty for a request that owns no blocks)."""
-        _hashable("request_id", request_id)
-        return list(self._blocks.get(request_id, ()))
-
-    def _blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
-        """More blocks ``request_id`` needs to hold ``num_tokens`` tokens (0 if it has enough)."""
-        have = len(self._blocks.get(request_id, ()))
-        return max(math.ceil(num_tokens / self._block_size) - have, 0)
-
-    def ensure(self, request_id: Hashable, num_tokens: int) -> list[int]:
-        """Grow the request's blocks to hold ``num_tokens`` tokens; return a copy of its list.
-
-        Never shrinks. Raises :class:`FuseMLAValueError` ("out of blocks"), allocating nothing,
-        when fewer blocks are free than needed.
-        """
-        _hashable("request_id", request_id)
-        num_tokens = _int("num_tokens", num_tokens)
-        need = self._blocks_needed(request_id, num_tokens)
-        if need > len(self._free):
-            raise FuseMLAValueError(
-                f"num_tokens: out of blocks: request {request_id!r} needs {need} more block(s) "
-                f"of {self._block_size} to hold num_tokens = {num_tokens}, but only "
-                f"{len(self._free)} of {self._num_blocks} are free"
-            )
-        blocks = self._blocks.setdefault(request_id, [])
-        blocks.extend(self._free.popleft() for _ in range(need))
-        return list(blocks)
-
-    def free(self, request_id: Hashable) -> None:
-        """Return all of the request's blocks to the back of the free queue."""
-        _hashable("request_id", request_id)
-        if request_id not in self._blocks:
-            raise FuseMLAValueError(
-                f"request_id: expected a request that owns blocks "
-                f"(allocated by ensure and not yet freed), got "
-                f"{request_id!r}"
-            )
-        self._free.extend(self._blocks.pop(request_id))
-
-    def slot(self, request_id: Hashable, position: int) -> int:
-        """The cache slot of the request's token at ``position``: ``block * block_size + off``."""
-        blocks = self.blocks_of(request_id)
-        position = _int("position", position)
-        capacity = len(blocks) * self._block_size
-        if position >= capacity:
-            raise FuseMLAValueError(
-                f"position: expected < {capacity} (the {len(blocks)} "
-                f"block(s) of request {request_id!r}), got {position}"
-            )
-        block, offset = divmod(position, self._block_size)
-        return blocks[block] * self._block_size + offset
-
-
-# ----------------------------------------------------------------------------- builder
-
-
-@dataclass(frozen=True)
-class RequestStep:
-    """One request's work in a step.
-
-    ``request_id``: any hashable id (the allocator's key). ``context_len``: tokens already in the
-    cache. ``num_new_tokens``: tokens processed this step (>= 1; 1 for a decode).
-    ``is_decode``: ``None`` means decode iff ``num_new_tokens == 1 and context_len > 0``;
-    ``True`` requires ``num_new_tokens == 1``.
-    """
-
-    request_id: object
-    context_len: int
-    num_new_tokens: int
-    is_decode: bool | None = None
-
-    def __post_init__(self) -> None:
-        _hashable("request_id", self.request_id)
-        object.__setattr__(self, "context_len", _int("context_len", self.context_len))
-        object.__setattr__(
-            self, "num_new_tokens", _int("num_new_tokens", self.num_new_tokens, minimum=1)
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise ImportError(
+            f"fusemla.metadata.{name} moved to fusemla.testing.scheduler (the toy scheduler for "
+            f"tests, demos and benchmarks): from fusemla.testing.scheduler import {name}"
         )
-        if self.is_decode is not None and not isinstance(self.is_decode, bool):
-            raise FuseMLATypeError(
-                f"is_decode: expected None or a bool, got {describe(self.is_decode)}"
-            )
-        if self.is_decode and self.num_new_tokens != 1:
-            raise FuseMLAValueError(
-                f"num_new_tokens: expected 1 for a decode step "
-                f"(is_decode=True), got {self.num_new_tokens}"
-            )
-
-
-def _is_decode(step: RequestStep) -> bool:
-    if step.is_decode is not None:
-        return step.is_decode
-    return step.num_new_tokens == 1 and step.context_len > 0
-
-
-def build_metadata(
-    steps: Sequence[RequestStep],
-    allocator: BlockAllocator,
-    *,
-    device: str | torch.device = "cpu",
-    pad_decodes_to: int | None = None,
-    max_blocks: int | None = None,
-) -> tuple[BatchMetadata, list[int]]:
-    """Allocate cache blocks for one step and build its :class:`BatchMetadata`.
-
-    Requests are ordered decode-first, stably (decodes in the given order, then prefills in the
-    given order). Each request's blocks are grown to hold ``context_len + num_new_tokens`` tokens
-    (all-or-nothing: if the allocator is short, nothing is allocated), and ``slot_mapping`` /
-    ``positions`` are filled for its new tokens (positions ``context_len ...``).
-
-    ``pad_decodes_to=n`` appends padding decode requests (seq_len 0, slot -1, position 0,
-    block-table row of zeros) after the real decodes until there are ``n`` decode tokens, as fed to
-    a CUDA graph captured at decode batch ``n``. ``max_blocks`` fixes the block table's width;
-    the default is the longest request's block count (at least 1).
-
-    Returns ``(metadata, order)``: ``order[i]`` is the index into ``steps`` of the request in row
-    ``i``, or ``-1`` (:data:`PADDING_ROW`) for a padding row.
-    """
-    if not isinstance(steps, Sequence) or isinstance(steps, (str, bytes)):
-        raise FuseMLATypeError(f"steps: expected a sequence of RequestStep, got {describe(steps)}")
-    for i, s in enumerate(steps):
-        if not isinstance(s, RequestStep):
-            raise FuseMLATypeError(f"steps[{i}]: expected a RequestStep, got {describe(s)}")
-    if not isinstance(allocator, BlockAllocator):
-        raise FuseMLATypeError(f"allocator: expected a BlockAllocator, got {describe(allocator)}")
-    seen: dict[object, int] = {}
-    for i, s in enumerate(steps):
-        if s.request_id in seen:
-            raise FuseMLAValueError(
-                f"steps[{i}]: expected unique request ids, got request_id "
-                f"{s.request_id!r} again (also steps[{seen[s.request_id]}])"
-            )
-        seen[s.request_id] = i
-    bs = allocator.block_size
-
-    decode_idx = [i for i, s in enumerate(steps) if _is_decode(s)]
-    prefill_idx = [i for i, s in enumerate(steps) if not _is_decode(s)]
-    num_pad = 0
-    if pad_decodes_to is not None:
-        pad_decodes_to = _int("pad_decodes_to", pad_decodes_to)
-        if pad_decodes_to < len(decode_idx):
-            raise FuseMLAValueError(
-                f"pad_decodes_to: expected >= the number of decode requests "
-                f"= {len(decode_idx)}, got {pad_decodes_to}"
-            )
-        num_pad = pad_decodes_to - len(decode_idx)
-    order = decode_idx + [PADDING_ROW] * num_pad + prefill_idx
-
-    # Widths first: a too-narrow max_blocks must fail before anything is allocated.
-    seq_lens = [
-        0 if i == PADDING_ROW else steps[i].context_len + steps[i].num_new_tokens for i in order
-    ]
-    needed_width = max((math.ceil(s / bs) for s in seq_lens), default=0)
-    if max_blocks is None:
-        width = max(needed_width, 1)
-    else:
-        width = _int("max_blocks", max_blocks)
-        if width < needed_width:
-            raise FuseMLAValueError(
-                f"max_blocks: expected >= {needed_width} (the longest "
-                f"request, seq_len {max(seq_lens)}, at block_size {bs}), "
-                f"got {width}"
-            )
-
-    # All-or-nothing allocation.
-    total = sum(
-        allocator._blocks_needed(steps[i].request_id, seq_lens[r])
-        for r, i in enumerate(order)
-        if i != PADDING_ROW
-    )
-    if total > allocator.num_free:
-        raise FuseMLAValueError(
-            f"steps: out of blocks: the step needs {total} more block(s) of "
-            f"{bs}, but only {allocator.num_free} of {allocator.num_blocks} "
-            f"are free"
-        )
-
-    qsl = [0]
-    block_rows: list[tuple[int, ...]] = []
-    slots: list[int] = []
-    positions: list[int] = []
-    for r, i in enumerate(order):
-        if i == PADDING_ROW:
-            qsl.append(qsl[-1] + 1)
-            block_rows.append((0,) * width)
-            slots.append(PADDING_SLOT)
-            positions.append(0)
-            continue
-        s = steps[i]
-        blocks = allocator.ensure(s.request_id, seq_lens[r])
-        used = blocks[: math.ceil(seq_lens[r] / bs)]
-        block_rows.append(tuple(used) + (0,) * (width - len(used)))
-        for p in range(s.context_len, seq_lens[r]):
-            block, offset = divmod(p, bs)
-            slots.append(blocks[block] * bs + offset)
-            positions.append(p)
-        qsl.append(qsl[-1] + s.num_new_tokens)
-
-    num_decodes = len(decode_idx) + num_pad
-    R = len(order)
-    flat = [b for row in block_rows for b in row]
-    md = BatchMetadata(
-        num_decode_tokens=num_decodes,
-        num_prefill_tokens=qsl[-1] - num_decodes,
-        num_decodes=num_decodes,
-        num_prefills=len(prefill_idx),
-        block_size=bs,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_table=torch.tensor(flat, dtype=torch.int32).view(R, width).to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        positions=torch.tensor(positions, dtype=torch.int64).to(device),
-        query_start_loc_cpu=tuple(qsl),
-        seq_lens_cpu=tuple(seq_lens),
-        block_table_cpu=tuple(block_rows),
-    )
-    md.validate(num_slots=allocator.num_slots)
-    return md, order
+    raise AttributeError(f"module 'fusemla.metadata' has no attribute {name!r}")

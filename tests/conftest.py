@@ -48,3 +48,13 @@ def device(pytestconfig) -> str:
 @pytest.fixture(scope="session")
 def on_gpu(device) -> bool:
     return device == "cuda"
+
+
+@pytest.fixture
+def prologue_spy():
+    """fusemla.testing.spy.PrologueSpy installed for the test: the fused launches (args, plans)
+    and the reference prologue's calls and cache writes, in order; ``take()`` reads and resets."""
+    from fusemla.testing.spy import PrologueSpy
+
+    with PrologueSpy() as spy:
+        yield spy

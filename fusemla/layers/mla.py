@@ -58,14 +58,17 @@ Weights: :meth:`MLAAttention.from_hf` (a transformers ``DeepseekV3Attention``) o
 ``weight`` + ``weight_scale_inv`` pairs are dequantized). ``W_UK_T [H, P, L]`` and
 ``W_UV [H, L, V]`` are split from ``kv_b_proj`` once; ``weight_format`` picks the W_UK_T the
 fused kernel reads: ``"plain"`` (the activations' dtype), ``"fp8"`` or ``"mxfp4"`` (a
-:class:`fusemla.quant.QuantizedWeight`); prefill always uses the unquantized weight. Build the
-layer in the dtype you want (bf16/fp16); ``module.to(dtype)`` is not supported. Parameters do
+:class:`fusemla.quant.QuantizedWeight`); prefill always uses the unquantized weight. The
+prologue's per-layer arguments (its :class:`~fusemla.contracts.prologue.PrologueSpec`: W_UK_T,
+the RoPE tables) are checked once, by :meth:`~MLAAttention.load_weights`, and again only when
+one of them changes. Per step the layer reads the metadata's decode and prefill views
+(:attr:`~fusemla.metadata.BatchMetadata.decode` / ``.prefill``). Build the layer in the dtype
+you want (bf16/fp16); ``module.to(dtype)`` is not supported. Parameters do
 not require grad: it is an inference layer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -104,6 +107,15 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write); None for an inference tensor,
+    which has none (then only replacing it is seen, as in the vLLM plugin's spec key)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -242,6 +254,8 @@ class MLAAttention(nn.Module):
         self.register_buffer("W_UK", torch.empty(H, P, L, **kw), persistent=False)
         self.register_buffer("_w_uk_t_data", None, persistent=False)
         self.register_buffer("_w_uk_t_scale", None, persistent=False)
+        # (key, source tensors, PrologueSpec): built by load_weights, see _spec()
+        self._spec_cache: tuple | None = None
         self.requires_grad_(False)  # an inference layer: the fused op has no backward
 
     # ------------------------------------------------------------------------------ weights
@@ -309,6 +323,8 @@ class MLAAttention(nn.Module):
             fp8_dtype = platform.default_fp8_weight_dtype(platform.detect(w_kv_b32.device))
             qw = prepare_w_uk_t(w_kv_b32, **dims, format=self.weight_format, fp8_dtype=fp8_dtype)[0]
             self._w_uk_t_data, self._w_uk_t_scale = qw.data, qw.scale
+        self._spec_cache = None
+        self._spec()  # the prologue's per-layer arguments, checked once, here
 
     @classmethod
     def from_state_dict(
@@ -457,21 +473,15 @@ class MLAAttention(nn.Module):
             (N, self.hidden_size),
             lambda: f"[N={N} (the metadata's num_tokens), hidden_size={self.hidden_size}]",
         )
+        self._check_positions(positions, N)
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         kv_a = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv_a[:, : self.L])
-        out = self.forward_latent(
-            q.view(N, self.H, self.P + self.R),
-            kv_c,
-            kv_a[:, self.L :],
-            positions,
-            md,
-            kv_cache,
-            kv_scale,
-        )
+        q = q.view(N, self.H, self.P + self.R)
+        out = self._attend(q, kv_c, kv_a[:, self.L :], positions, md, kv_cache, kv_scale, False)
         return self.o_proj(out)
 
     def forward_latent(
@@ -489,9 +499,9 @@ class MLAAttention(nn.Module):
         """The layer after its projections: ``q [N, H, P + R]`` (q_b_proj output), ``kv_c [N, L]``
         (after kv_a_layernorm), ``k_pe [N, R]`` (rotated only when ``rope_applied``), then as
         :meth:`forward`. Returns the attention output ``[N, H * V]`` before ``o_proj``."""
-        H, P, R, L, V = self.H, self.P, self.R, self.L, self.V
+        H, P, R, L = self.H, self.P, self.R, self.L
         md = self._check_step(metadata, kv_cache)
-        N, D = md.num_tokens, md.num_decode_tokens
+        N = md.num_tokens
         # the expected shapes' texts are built only on failure: formatting N under
         # torch.compile would specialize a dynamic batch size
         q = self._check_activation("q", q, (N, H, P + R), lambda: f"[N={N}, H={H}, P+R={P + R}]")
@@ -499,46 +509,49 @@ class MLAAttention(nn.Module):
         if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3 and k_pe.shape[1] == 1:
             k_pe = k_pe[:, 0]
         self._check_activation("k_pe", k_pe, (N, R), lambda: f"[N={N}, R={R}] or [N, 1, R]")
-        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (N,):
-            raise FuseMLAValueError(
-                f"positions: expected a tensor of shape [N={N}] (the "
-                f"metadata's num_tokens), got {describe(positions)}"
-            )
+        self._check_positions(positions, N)
         if not isinstance(rope_applied, bool):
             raise FuseMLATypeError(f"rope_applied: expected a bool, got {describe(rope_applied)}")
+        return self._attend(q, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied)
+
+    def _attend(
+        self, q, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied
+    ) -> torch.Tensor:
+        """:meth:`forward_latent` after its checks: the prologue, both attentions, ``[N, H*V]``."""
+        H, P, L, V = self.H, self.P, self.L, self.V
+        N = md.num_tokens
         q_nope, q_pe = q[..., :P], q[..., P:]
         dec_q, pre_q_pe = self._prologue(
             q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied
         )
         parts = []
-        if D > 0:
+        dec, pre = md.decode, md.prefill
+        if dec is not None:
             o = paged_decode_attention(
                 dec_q,
                 kv_cache,
-                md.block_table[:D],
-                md.seq_lens[:D],
+                dec.block_table,
+                dec.seq_lens,
                 self.softmax_scale,
                 kv_scale,
                 kv_lora_rank=L,
             )
             parts.append(torch.einsum("dhl,hlv->dhv", o, self.W_UV.float()))  # [D, H, V]
         # Prefill requests, one at a time (host ints: a step with prefills specializes its
-        # shapes). A decode-only step never reads the request count (len(seq_lens_cpu) == N),
-        # so its batch size can stay dynamic under torch.compile.
-        if md.num_prefills > 0:
-            qsl, bs = md.query_start_loc_cpu, md.block_size
-            for r in range(md.num_decodes, md.num_reqs):
-                t0, t1, S = qsl[r], qsl[r + 1], md.seq_lens_cpu[r]
-                blocks = md.block_table[r : r + 1, : math.ceil(S / bs)]
-                rows = gather_latents(kv_cache, blocks, kv_scale, L)[0, :S]
+        # shapes). A decode-only step never reads a request's host lengths, so its batch size
+        # can stay dynamic under torch.compile.
+        if pre is not None:
+            pre_q_nope = q_nope[pre.token_start :]
+            for rq in pre.requests:
+                rows = gather_latents(kv_cache, rq.block_table, kv_scale, L)[0, : rq.seq_len]
                 parts.append(
                     prefill_attention(
-                        q_nope[t0:t1],
-                        pre_q_pe[t0 - D : t1 - D],
+                        pre_q_nope[rq.start : rq.end],
+                        pre_q_pe[rq.start : rq.end],
                         rows,
                         self.W_UK,
                         self.W_UV,
-                        S - (t1 - t0),
+                        rq.context_len,
                         self.softmax_scale,
                     )
                 )
@@ -554,18 +567,20 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's only RoPE and cache write: ``(q [D, H, L+R], rotated q_pe [N-D, H, R])``.
 
-        The layer's :class:`~fusemla.contracts.prologue.PrologueSpec` is built per call (cheap host
-        checks; under torch.compile at trace time), so a reloaded weight is never stale; the
-        batch is cut by :func:`~fusemla.ops.prologue.halves.split_halves` (the flags)."""
-        from fusemla.contracts.prologue import build_spec
+        The batch is cut by :func:`~fusemla.ops.prologue.halves.split_halves` (the flags); a
+        half's slots are the metadata's decode or prefill view."""
         from fusemla.ops.prologue.api import mla_prologue_step
         from fusemla.ops.prologue.halves import split_halves
         from fusemla.reference.prologue import mla_prologue_step_ref
 
         N, D = md.num_tokens, md.num_decode_tokens
-        spec = build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
+        spec = self._spec()
         dec_q = pre_q_pe = None
         for span in split_halves(N, D, *self.flags()).spans:
+            if (span.lo, span.hi) == (0, N):
+                slots = md.slot_mapping
+            else:
+                slots = (md.decode if span.num_decode_tokens else md.prefill).slot_mapping
             s = slice(span.lo, span.hi)
             fn = mla_prologue_step if span.fused else mla_prologue_step_ref
             out = fn(
@@ -576,7 +591,7 @@ class MLAAttention(nn.Module):
                 k_pe[s],
                 positions[s],
                 kv_cache,
-                md.slot_mapping[s],
+                slots,
                 num_decode_tokens=span.num_decode_tokens,
                 rope_applied=rope_applied,
                 kv_scale=kv_scale,
@@ -590,6 +605,36 @@ class MLAAttention(nn.Module):
         if pre_q_pe is None:
             pre_q_pe = q_pe.new_empty(0, self.H, self.R)
         return dec_q, pre_q_pe
+
+    def _spec(self):
+        """The layer's :class:`~fusemla.contracts.prologue.PrologueSpec` (W_UK_T, the RoPE
+        tables, is_neox), checked once: built by :meth:`load_weights`, rebuilt only when a
+        source tensor was replaced (``module.to``, an assigned buffer) or written in place (its
+        version counter moved), or ``weight_format`` / ``is_neox`` changed. Under
+        torch.compile it is built while the graph is traced (once per graph: dynamo guards the
+        buffers themselves)."""
+        from fusemla.contracts.prologue import build_spec
+
+        if torch.compiler.is_compiling():
+            return build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
+        if self.weight_format == "plain":
+            sources = (self.W_UK, self.cos_cache, self.sin_cache)
+        else:
+            sources = (self._w_uk_t_data, self._w_uk_t_scale, self.cos_cache, self.sin_cache)
+        key = (self.weight_format, self.is_neox, *((id(t), _version(t)) for t in sources))
+        cached = self._spec_cache
+        if cached is None or cached[0] != key:
+            spec = build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
+            # the sources are kept alive with the key, so their ids cannot be reused
+            self._spec_cache = cached = (key, sources, spec)
+        return cached[2]
+
+    def _check_positions(self, positions: object, N: int) -> None:
+        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (N,):
+            raise FuseMLAValueError(
+                f"positions: expected a tensor of shape [N={N}] (the "
+                f"metadata's num_tokens), got {describe(positions)}"
+            )
 
     def _check_activation(
         self, name: str, x: object, shape: tuple, what: Callable[[], str]

@@ -95,8 +95,11 @@ def _within_ulp(got, want, dtype, slack):
 
 
 def weight_kind(w: Any) -> str:
-    """ "plain", "fp8" or "mxfp4" (keys of the per-format tolerances in :data:`TOL`)."""
-    return "plain" if w is None or isinstance(w, torch.Tensor) else w.format
+    """ "plain", "fp8" or "mxfp4" (keys of the per-format tolerances in :data:`TOL`): the
+    library's one rule (:func:`fusemla.quant.weight_format`); None is the inputs' plain one."""
+    from fusemla.quant import weight_format
+
+    return "plain" if w is None else weight_format(w)
 
 
 def compare(
@@ -139,11 +142,9 @@ def compare(
     N, H, P = inp.q_nope.shape
     D, L, R = inp.D, inp.kv_c.shape[1], inp.q_pe.shape[-1]
     kind = weight_kind(w_uk_t)
-    w_eff = (
-        inp.w_uk_t
-        if w_uk_t is None or isinstance(w_uk_t, torch.Tensor)
-        else (w_uk_t.dequantize(torch.float32))
-    )
+    w_eff = inp.w_uk_t if w_uk_t is None else w_uk_t
+    if kind != "plain":
+        w_eff = w_eff.dequantize(torch.float32)
     model = prologue_model_f64(inp, is_neox, rope_applied)
     pos = inp.positions.long().clamp(0, inp.cos_cache.shape[0] - 1)
     cos, sin = inp.cos_cache[pos].float().cpu(), inp.sin_cache[pos].float().cpu()

@@ -4,10 +4,9 @@ Used by ``tests/layers/test_mla_vs_hf.py`` (and reusable by the demo and the ben
 a small DeepSeek-V3 attention layer with random weights in fp32 and runs it over a request's whole
 sequence, causally, the way transformers would. Nothing here imports fusemla's kernels or layer.
 
-- :func:`tiny_deepseek_v3_config`: a ``DeepseekV3Config`` with small dims (H=4, P=32, R=16, L=64,
-  V=32, hidden 64) and DeepSeek-V3's YaRN RoPE settings (factor 40 over 4096 positions,
-  beta_fast 32, beta_slow 1, mscale = mscale_all_dim = 1), ``rope_interleave=True``, eager
-  attention.
+- :func:`tiny_deepseek_v3_config`: a ``DeepseekV3Config`` with the small dims (H=4, P=32, R=16,
+  L=64, V=32, hidden 64) and DeepSeek-V3's YaRN RoPE settings (both from
+  :mod:`fusemla.testing.dims`), ``rope_interleave=True``, eager attention.
 - :func:`make_hf_attention`: an fp32 ``DeepseekV3Attention`` with random weights and its
   ``DeepseekV3RotaryEmbedding``. The weights are bf16-representable (drawn in fp32 and rounded
   through bf16), so a bf16 copy of the layer holds exactly the same numbers: what differs between
@@ -37,6 +36,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
+from fusemla.testing.dims import DEEPSEEK_V3_YARN, SMALL_LAYER, hf_config
+
 __all__ = [
     "DEEPSEEK_V3_YARN",
     "TINY_DIMS",
@@ -51,27 +52,12 @@ __all__ = [
     "tiny_deepseek_v3_config",
 ]
 
-#: small MLA dims: hidden 64, H=4 heads, P=32 (qk_nope), R=16 (qk_rope), L=64 (kv_lora), V=32
+#: the small MLA dims as DeepseekV3Config keywords (:data:`fusemla.testing.dims.SMALL_LAYER`:
+#: hidden 64, H=4 heads, P=32 (qk_nope), R=16 (qk_rope), L=64 (kv_lora), V=32)
 TINY_DIMS = {
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "kv_lora_rank": 64,
-    "v_head_dim": 32,
-}
-
-#: DeepSeek-V3's RoPE settings (its config.json), in transformers 5's ``rope_parameters`` form
-DEEPSEEK_V3_YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 40.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
+    k: v
+    for k, v in hf_config(SMALL_LAYER).items()
+    if k not in ("q_lora_rank", "max_position_embeddings", "rope_interleave", "rope_parameters")
 }
 
 
@@ -81,12 +67,12 @@ def tiny_deepseek_v3_config(
     """A tiny ``DeepseekV3Config`` (:data:`TINY_DIMS`, DeepSeek YaRN, interleaved RoPE, eager
     attention, no attention bias). ``q_lora_rank=None`` gives the ``q_proj`` variant
     (DeepSeek-V2-Lite style). ``overrides`` replace any config field."""
-    kw = dict(TINY_DIMS)
+    kw = hf_config(
+        SMALL_LAYER.replace(q_lora=q_lora_rank),
+        max_position=max_position_embeddings,
+        rope=DEEPSEEK_V3_YARN,
+    )
     kw.update(
-        q_lora_rank=q_lora_rank,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters=dict(DEEPSEEK_V3_YARN),
-        rope_interleave=True,
         attention_bias=False,
         attention_dropout=0.0,
         num_hidden_layers=1,

@@ -16,11 +16,7 @@ from typing import Any
 import torch
 
 from fusemla.dtypes import FP8_FORMATS
-
-#: DeepSeek-V3 dims: heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank
-DEEPSEEK_V3 = dict(H=128, P=128, R=64, L=512)
-#: small dims for the interpreter (CPU tests, demo)
-SMALL_DIMS = dict(H=4, P=32, R=16, L=64)
+from fusemla.testing.dims import DEEPSEEK_V3, SMALL_DIMS  # noqa: F401  (their old home)
 
 #: a byte that is NaN in each FP8 format (poison for caches and FP8 outputs)
 FP8_NAN_BYTE = {dtype: fmt.nan_byte for dtype, fmt in FP8_FORMATS.items()}

@@ -1,8 +1,9 @@
-"""Tests of fusemla.metadata: BatchMetadata checks, the block allocator and the batch builder.
+"""Tests of fusemla.metadata (BatchMetadata: checks, decode / prefill views) and of the toy
+scheduler that builds it (fusemla.testing.scheduler: block allocator, batch builder).
 
-Every slot, position and block-table entry is checked against values computed here from the
-allocator's block lists, and a simulated multi-step run writes token ids into a fake cache through
-``slot_mapping`` and reads them back through ``block_table`` / ``seq_lens``.
+Every slot, position and block-table entry, and every view, is checked against values computed
+here from the allocator's block lists, and a simulated multi-step run writes token ids into a
+fake cache through ``slot_mapping`` and reads them back through ``block_table`` / ``seq_lens``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import pytest
 import torch
 
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
-from fusemla.metadata import (
+from fusemla.metadata import PADDING_SLOT, BatchMetadata
+from fusemla.testing.scheduler import (
     PADDING_ROW,
-    PADDING_SLOT,
-    BatchMetadata,
     BlockAllocator,
     RequestStep,
+    Scheduler,
     build_metadata,
     token_request_index,
 )
@@ -107,6 +108,39 @@ def _check_against_allocator(
     real = [x for x in slots if x != PADDING_SLOT]
     assert len(set(real)) == len(real)
     assert all(0 <= x < alloc.num_slots for x in real)
+    _check_views(md)
+
+
+def _check_views(md: BatchMetadata) -> None:
+    """The decode / prefill views hold exactly their part of every field (values and storage)."""
+    nd, D, N = md.num_decodes, md.num_decode_tokens, md.num_tokens
+    bt, qsl, bs = md.block_table.tolist(), md.query_start_loc_cpu, md.block_size
+    parts = ((md.decode, 0, nd, 0, D), (md.prefill, nd, md.num_reqs, D, N))
+    for view, r0, r1, t0, t1 in parts:
+        if r0 == r1:
+            assert view is None
+            continue
+        assert view.num_tokens == t1 - t0
+        assert view.block_table.tolist() == bt[r0:r1]
+        assert view.seq_lens.tolist() == list(md.seq_lens_cpu[r0:r1])
+        assert view.slot_mapping.tolist() == md.slot_mapping.tolist()[t0:t1]
+        assert view.positions.tolist() == md.positions.tolist()[t0:t1]
+        for name in ("block_table", "seq_lens", "slot_mapping", "positions"):
+            assert getattr(view, name).untyped_storage().data_ptr() == (
+                getattr(md, name).untyped_storage().data_ptr()
+            ), name  # a view, not a copy
+    if md.prefill is not None:
+        assert md.prefill.token_start == D
+        assert len(md.prefill.requests) == md.num_prefills
+        for r, rq in zip(range(nd, md.num_reqs), md.prefill.requests, strict=True):
+            assert (rq.start + D, rq.end + D, rq.seq_len) == (
+                qsl[r],
+                qsl[r + 1],
+                md.seq_lens_cpu[r],
+            )
+            assert rq.num_tokens == qsl[r + 1] - qsl[r]
+            assert rq.context_len == md.context_lens_cpu[r]
+            assert rq.block_table.tolist() == [bt[r][: math.ceil(rq.seq_len / bs)]]
 
 
 def _check_disjoint(alloc: BlockAllocator, ids) -> None:
@@ -391,7 +425,7 @@ def test_allocator_seed_determinism():
 def test_allocator_seed_determinism_across_processes():
     """Same seed -> same blocks in fresh interpreters, whatever their string-hash seed."""
     code = (
-        "from fusemla.metadata import BlockAllocator, RequestStep, build_metadata\n"
+        "from fusemla.testing.scheduler import BlockAllocator, RequestStep, build_metadata\n"
         "a = BlockAllocator(64, 16, seed=5)\n"
         "md, _ = build_metadata([RequestStep('x', 0, 70), RequestStep(('y', 2), 3, 1)], a)\n"
         "print(md.block_table_cpu, md.slot_mapping.tolist())\n"
@@ -496,6 +530,97 @@ def test_base_metadata_properties():
     md.validate(num_slots=alloc.num_slots)
     with pytest.raises(dataclasses.FrozenInstanceError):
         md.block_size = 8
+
+
+def test_base_metadata_views():
+    """decode: rows 0-1 (a and the padding row); prefill: b (tokens 0-2 of the prefill part,
+    no context) and c (tokens 3-4, 2 cached); the views follow writes into the step's tensors
+    (a CUDA graph's static metadata is refilled in place)."""
+    md, _ = _base()
+    dec, pre = md.decode, md.prefill
+    assert dec.num_tokens == 2 and dec.seq_lens.tolist() == [6, 0]
+    assert dec.block_table.tolist() == md.block_table.tolist()[:2]
+    assert dec.slot_mapping.tolist() == md.slot_mapping.tolist()[:2]
+    assert dec.slot_mapping.tolist()[1] == PADDING_SLOT
+    assert (pre.token_start, pre.num_tokens) == (2, 5)
+    assert pre.positions.tolist() == [0, 1, 2, 2, 3]
+    got = [(rq.start, rq.end, rq.seq_len, rq.context_len, rq.num_tokens) for rq in pre.requests]
+    assert got == [(0, 3, 3, 0, 3), (3, 5, 4, 2, 2)]
+    assert [tuple(rq.block_table.shape) for rq in pre.requests] == [(1, 1), (1, 1)]
+    assert pre.requests[1].block_table.tolist() == [[md.block_table_cpu[3][0]]]
+    md.block_table.fill_(7)
+    md.slot_mapping.fill_(-1)
+    md.seq_lens.fill_(9)
+    assert dec.block_table.tolist() == [[7, 7]] * 2 and pre.requests[0].block_table.item() == 7
+    assert pre.slot_mapping.tolist() == [-1] * 5 and pre.seq_lens.tolist() == [9, 9]
+    assert " decode=" not in repr(md) and " prefill=" not in repr(md)  # views: not in the repr
+
+
+@pytest.mark.parametrize(
+    "work, pad, parts",
+    [
+        ([("a", 5, 1), ("b", 2, 1)], None, (2, None)),  # decode only
+        ([("a", 0, 4), ("b", 3, 2)], None, (None, 2)),  # prefill only
+        ([], 3, (3, None)),  # only padding
+        ([], None, (None, None)),  # empty
+    ],
+    ids=["decode-only", "prefill-only", "padding-only", "empty"],
+)
+def test_views_of_absent_parts_are_none(work, pad, parts):
+    md, order = build_metadata(
+        [RequestStep(*w) for w in work], BlockAllocator(16, 4), pad_decodes_to=pad
+    )
+    got = (
+        None if md.decode is None else md.decode.num_tokens,
+        None if md.prefill is None else len(md.prefill.requests),
+    )
+    assert got == parts
+    _check_views(md)
+
+
+def test_metadata_is_checked_once_per_step(monkeypatch):
+    """Construction checks (and builds the views) once; the builder adds only the cache's
+    num_slots check, and a validate() call re-checks on request."""
+    calls = []
+    real = BatchMetadata._check
+    monkeypatch.setattr(BatchMetadata, "_check", lambda self: calls.append(1) or real(self))
+    alloc = BlockAllocator(16, 4, seed=11)
+    md, _ = build_metadata([RequestStep("b", 0, 3), RequestStep("a", 5, 1)], alloc)
+    assert len(calls) == 1
+    md.check_num_slots(alloc.num_slots)
+    assert len(calls) == 1
+    md.validate(num_slots=alloc.num_slots)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("name", ["BlockAllocator", "RequestStep", "build_metadata", "PADDING_ROW"])
+def test_scheduler_names_moved_with_a_clear_error(name):
+    import fusemla.metadata as metadata
+
+    with pytest.raises(ImportError, match=rf"moved to fusemla\.testing\.scheduler.*import {name}"):
+        exec(f"from fusemla.metadata import {name}", {})
+    with pytest.raises(ImportError, match="fusemla.testing.scheduler"):
+        getattr(metadata, name)
+    assert not hasattr(metadata, "no_such_name")
+
+
+def test_scheduler_tracks_contexts():
+    """Scheduler.step: contexts grow by each step's tokens, rows name the requests (None for
+    padding), a freed request starts again from 0 with its blocks back in the pool."""
+    sched = Scheduler(BlockAllocator(16, 4, seed=1))
+    md, rows = sched.step([("p", 5), ("q", 2)])
+    assert rows == ["p", "q"] and md.num_decodes == 0 and md.context_lens_cpu == (0, 0)
+    md, rows = sched.step([("q", 1), ("p", 3), ("r", 1)], pad_decodes_to=2)
+    assert rows == ["q", None, "p", "r"]
+    assert md.context_lens_cpu == (2, 0, 5, 0) and md.seq_lens_cpu == (3, 0, 8, 1)
+    assert sched.context == {"p": 8, "q": 3, "r": 1}
+    free = sched.allocator.num_free
+    sched.free("p")
+    assert sched.allocator.num_free == free + 2 and "p" not in sched.context
+    md, rows = sched.step([("p", 1)])
+    assert rows == ["p"] and md.num_prefills == 1 and md.context_lens_cpu == (0,)
+    with pytest.raises(FuseMLATypeError, match="allocator"):
+        Scheduler(object())
 
 
 def _bt_strided(md: BatchMetadata) -> torch.Tensor:
@@ -789,6 +914,12 @@ def test_validate_on_meta_tensors():
     } == {"meta"}
     meta.validate(num_slots=alloc.num_slots)
     assert meta.context_lens_cpu == md.context_lens_cpu and meta.max_seq_len == 6
+    views = (
+        meta.decode.block_table,
+        meta.prefill.slot_mapping,
+        meta.prefill.requests[1].block_table,
+    )
+    assert {t.device.type for t in views} == {"meta"}
     with pytest.raises(FuseMLAValueError, match="query_start_loc_cpu"):
         dataclasses.replace(meta, query_start_loc_cpu=(0, 1, 2, 5, 6))
 
@@ -834,7 +965,10 @@ def test_to_device(device):
             a, b = getattr(md, name), getattr(moved, name)
             assert (a.shape, a.dtype) == (b.shape, b.dtype)
         moved.validate(num_slots=alloc.num_slots)
+        assert moved.decode.seq_lens.device.type == moved.prefill.positions.device.type
+        assert moved.prefill.requests[0].block_table.device == moved.device
     back = md.to(device).to("cpu")
+    _check_views(back)
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions"):
         assert torch.equal(getattr(md, name), getattr(back, name))
 

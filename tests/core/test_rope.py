@@ -19,17 +19,10 @@ from fusemla.rope import (
     split_cos_sin_cache,
     yarn_get_mscale,
 )
+from fusemla.testing import DEEPSEEK_V3_YARN
 
-# DeepSeek-V3's RoPE settings (config.json of deepseek-ai/DeepSeek-V3).
-V3_ROPE = {
-    "rope_type": "yarn",
-    "factor": 40.0,
-    "original_max_position_embeddings": 4096,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+# DeepSeek-V3's RoPE settings (config.json of deepseek-ai/DeepSeek-V3), shared by the tests
+V3_ROPE = dict(DEEPSEEK_V3_YARN)
 # Positions compared against Hugging Face: the whole first 8K plus far-out ones.
 LARGE_POSITIONS = [16383, 65535, 100000, 131071, 160000, 163839]
 

@@ -14,10 +14,10 @@ import torch
 
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.reference.attention import gather_latents, paged_decode_attention, prefill_attention
-from fusemla.testing import poisoned_cache, rope_f64, stable_seed
+from fusemla.testing import SMALL_LAYER, poisoned_cache, rope_f64, stable_seed
 
 FP8 = torch.float8_e4m3fn
-H, P, R, L, V = 4, 32, 16, 64, 32
+H, P, R, L, V = (getattr(SMALL_LAYER, k) for k in "HPRLV")
 SCALE = (P + R) ** -0.5
 # fp32 computation vs float64: a few fp32 roundings per output element
 ATOL, RTOL = 2e-5, 2e-5

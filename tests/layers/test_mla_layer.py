@@ -11,7 +11,6 @@ stray writes; every check covers every cache byte.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import pytest
 import torch
@@ -20,23 +19,27 @@ import fusemla
 from fusemla.config import FUSED_DECODE_ENV, FUSED_PREFILL_ENV, MLAConfig
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.layers import MLAAttention
-from fusemla.metadata import BlockAllocator, RequestStep, build_metadata
 from fusemla.quant import QuantizedWeight
 from fusemla.rope import apply_rope, rope_cache_from_hf_config, split_cos_sin_cache
-from fusemla.testing import fp8_ordinal, poisoned_cache, rel_err, rope_f64, stable_seed
+from fusemla.testing import (
+    SMALL_LAYER,
+    TP8_LAYER,
+    BlockAllocator,
+    Scheduler,
+    deepseek_yarn,
+    fp8_ordinal,
+    hf_config,
+    poisoned_cache,
+    random_state_dict,
+    rel_err,
+    rope_f64,
+    stable_seed,
+)
 
 FP8 = torch.float8_e4m3fn
-SMALL = {"hidden": 64, "H": 4, "P": 32, "R": 16, "L": 64, "V": 32, "q_lora": 48, "max_pos": 512}
-GPU_DIMS = {
-    "hidden": 1024,
-    "H": 16,
-    "P": 128,
-    "R": 64,
-    "L": 512,
-    "V": 128,
-    "q_lora": 384,
-    "max_pos": 8192,
-}
+#: per device: the layer's dims and the RoPE table's length (GPU: a TP-8 shard, smaller hidden)
+DIMS = {"cpu": (SMALL_LAYER, 512), "cuda": (TP8_LAYER.replace(hidden=1024, q_lora=384), 8192)}
+YARN_FACTOR = 4.0  # over max_pos / 4 positions: the table reaches YaRN's interpolated range
 KV_SCALE = 3.0 / 448  # randn-sized rows: the tail saturates
 # fused vs reference layer: q and the cache's rope part may differ by one bf16 ulp
 OUT_REL = 1e-2
@@ -52,66 +55,26 @@ def _clean_env(monkeypatch):
 
 
 def _dims(device):
-    return GPU_DIMS if device == "cuda" else SMALL
+    return DIMS[device][0]
 
 
-def _hf_config(d, *, q_lora=True, interleave=True):
+def _hf_config(device, *, q_lora=True, interleave=True):
     """A DeepSeek-V3-style config as a plain mapping (YaRN factor 4, interleaved RoPE)."""
-    rope = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": d["max_pos"] // 4,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
-    return {
-        "hidden_size": d["hidden"],
-        "num_attention_heads": d["H"],
-        "q_lora_rank": d["q_lora"] if q_lora else None,
-        "kv_lora_rank": d["L"],
-        "qk_nope_head_dim": d["P"],
-        "qk_rope_head_dim": d["R"],
-        "v_head_dim": d["V"],
-        "max_position_embeddings": d["max_pos"],
-        "rope_interleave": interleave,
-        "rope_parameters": rope,
-    }
+    d, max_pos = DIMS[device]
+    rope = deepseek_yarn(YARN_FACTOR, max_pos // 4)
+    dims = d if q_lora else d.replace(q_lora=None)
+    return hf_config(dims, max_position=max_pos, rope=rope, interleave=interleave)
 
 
-def _state_dict(d, seed, *, q_lora=True):
-    g = torch.Generator().manual_seed(seed)
-    H, P, R, L, V, hid = d["H"], d["P"], d["R"], d["L"], d["V"], d["hidden"]
-
-    def w(n_out, n_in):
-        return torch.randn(n_out, n_in, generator=g) * n_in**-0.5
-
-    sd = {
-        "kv_a_proj_with_mqa.weight": w(L + R, hid),
-        "kv_a_layernorm.weight": 1 + 0.1 * torch.randn(L, generator=g),
-        "kv_b_proj.weight": w(H * (P + V), L),
-        "o_proj.weight": w(hid, H * V),
-    }
-    if q_lora:
-        sd.update(
-            {
-                "q_a_proj.weight": w(d["q_lora"], hid),
-                "q_a_layernorm.weight": 1 + 0.1 * torch.randn(d["q_lora"], generator=g),
-                "q_b_proj.weight": w(H * (P + R), d["q_lora"]),
-            }
-        )
-    else:
-        sd["q_proj.weight"] = w(H * (P + R), hid)
-    return sd
+def _state_dict(device, seed, *, q_lora=True):
+    cfg = _hf_config(device, q_lora=q_lora)
+    return random_state_dict(cfg, torch.Generator().manual_seed(seed))
 
 
 def _layer(device, seed, flags, *, weight_format="plain", q_lora=True, interleave=True):
-    d = _dims(device)
     return MLAAttention.from_state_dict(
-        _state_dict(d, seed, q_lora=q_lora),
-        _hf_config(d, q_lora=q_lora, interleave=interleave),
+        _state_dict(device, seed, q_lora=q_lora),
+        _hf_config(device, q_lora=q_lora, interleave=interleave),
         weight_format=weight_format,
         config=None if flags is None else MLAConfig(*flags),
         device=device,
@@ -134,43 +97,34 @@ def _steps(
 ):
     """Yield (metadata, request id of each row or None for padding) per step; pure-decode steps
     are padded to ``pad_decodes_to``."""
-    alloc = BlockAllocator(num_blocks, bs, seed=seed)
+    alloc = BlockAllocator(num_blocks, bs, seed=seed, shuffle=not reserve_block0)
     if reserve_block0:  # nobody's data in block 0: a stray write to slot 0 shows
-        alloc = BlockAllocator(num_blocks, bs, shuffle=False)
         alloc.ensure("reserved", 1)
-    ctx = defaultdict(int)
-    for spec in schedule:
-        steps = [RequestStep(r, ctx[r], n) for r, n in spec]
-        decode_only = all(ctx[r] > 0 and n == 1 for r, n in spec)
-        md, order = build_metadata(
-            steps, alloc, device=device, pad_decodes_to=pad_decodes_to if decode_only else None
-        )
-        for r, n in spec:
-            ctx[r] += n
-        yield md, [spec[i][0] if i >= 0 else None for i in order]
+    sched = Scheduler(alloc, device=device)
+    for work in schedule:
+        decode_only = all(sched.context.get(r, 0) > 0 and n == 1 for r, n in work)
+        yield sched.step(work, pad_decodes_to=pad_decodes_to if decode_only else None)
 
 
 def _cache(device, bs, kv, num_blocks=24):
     d = _dims(device)
     dtype = FP8 if kv == "fp8" else torch.bfloat16
     scale = KV_SCALE if kv == "fp8" else None
-    return poisoned_cache(num_blocks, bs, d["L"] + d["R"], dtype, device), scale
+    return poisoned_cache(num_blocks, bs, d.L + d.R, dtype, device), scale
 
 
 def _hidden(md, device, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(md.num_tokens, _dims(device)["hidden"], generator=g).to(
-        device, torch.bfloat16
-    )
+    return torch.randn(md.num_tokens, _dims(device).hidden, generator=g).to(device, torch.bfloat16)
 
 
 def _latent_inputs(md, device, g):
     d = _dims(device)
     N = md.num_tokens
     return (
-        torch.randn(N, d["H"], d["P"] + d["R"], generator=g).to(device, torch.bfloat16),
-        torch.randn(N, d["L"], generator=g).to(device, torch.bfloat16),
-        torch.randn(N, d["R"], generator=g).to(device, torch.bfloat16),
+        torch.randn(N, d.H, d.P + d.R, generator=g).to(device, torch.bfloat16),
+        torch.randn(N, d.L, generator=g).to(device, torch.bfloat16),
+        torch.randn(N, d.R, generator=g).to(device, torch.bfloat16),
     )
 
 
@@ -220,48 +174,12 @@ def _assert_out_close(out, ref, tol=OUT_REL):
     assert err < tol, f"relative L2 error {err:.3g} >= {tol}"
 
 
-class Counters:
-    """Fused launches (tokens, decode tokens of each) and reference cache writes (rows)."""
-
-    def __init__(self):
-        self.launch: list[tuple[int, int]] = []
-        self.ref_write: list[int] = []
-
-    def take(self) -> dict:
-        """What was counted since the last take(), then reset."""
-        out = {"launch": self.launch, "ref_write": self.ref_write}
-        self.launch, self.ref_write = [], []
-        return out
-
-
-@pytest.fixture
-def counters(monkeypatch):
-    """Wrap the fused launcher and the reference's only cache write with counters."""
-    import fusemla.ops.prologue.launch as launch_mod
-    import fusemla.reference.prologue as ref_mod
-
-    c = Counters()
-    launch, write = launch_mod.launch, ref_mod.write_cache_rows
-
-    def counting_launch(args, cfg=None):
-        c.launch.append((args.N, args.D))
-        return launch(args, cfg)
-
-    def counting_write(cache, slots, rows):
-        c.ref_write.append(int(slots.shape[0]))
-        return write(cache, slots, rows)
-
-    monkeypatch.setattr(launch_mod, "launch", counting_launch)
-    monkeypatch.setattr(ref_mod, "write_cache_rows", counting_write)
-    return c
-
-
 # ----------------------------------------------------------------------------- fused vs reference
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_fused_matches_reference_over_steps(device, kv, block_size, counters):
+def test_fused_matches_reference_over_steps(device, kv, block_size, prologue_spy):
     seed = stable_seed("fused-vs-ref", kv, block_size)
     fused = _layer(device, seed, (True, True))
     ref = _layer(device, seed, (False, False))
@@ -273,12 +191,12 @@ def test_fused_matches_reference_over_steps(device, kv, block_size, counters):
         x = _hidden(md, device, seed + i)
         before = cache.clone()
         out = fused(x, md.positions, md, cache, kv_scale)
-        assert counters.take() == {
+        assert prologue_spy.take() == {
             "launch": [(md.num_tokens, md.num_decode_tokens)],
             "ref_write": [],
         }
         out_ref = ref(x, md.positions, md, cache_ref, kv_scale)
-        assert counters.take() == {"launch": [], "ref_write": [md.num_tokens]}
+        assert prologue_spy.take() == {"launch": [], "ref_write": [md.num_tokens]}
         _assert_only_slots_changed(cache, before, md)
         _assert_caches_agree(cache, cache_ref, fused.L)
         _assert_out_close(out, out_ref)
@@ -328,7 +246,7 @@ def _model_f64(d, sd, cfg, history, q, kv_c, k_pe, md):
 
     ``history[row]`` collects the request's ``[kv_c, rotated k_pe]`` rows in position order.
     """
-    H, P, R, L, V = d["H"], d["P"], d["R"], d["L"], d["V"]
+    H, P, R, L, V = d.H, d.P, d.R, d.L, d.V
     w = sd["kv_b_proj.weight"].to(torch.bfloat16).double().view(H, P + V, L)  # the layer's bf16
     w_uk, w_uv = w[:, :P, :], w[:, P:, :]  # [H, P, L], [H, V, L]
     scale = (P + R) ** -0.5 * (0.1 * math.log(cfg["rope_parameters"]["factor"]) + 1.0) ** 2
@@ -358,7 +276,7 @@ def test_layer_matches_float64_model(device, interleave):
     scale) over prefill, mixed, chunked and padded decode steps."""
     seed = stable_seed("model-f64", interleave)
     d = _dims(device)
-    sd, cfg = _state_dict(d, seed), _hf_config(d, interleave=interleave)
+    sd, cfg = _state_dict(device, seed), _hf_config(device, interleave=interleave)
     layer = MLAAttention.from_state_dict(sd, cfg, config=MLAConfig(True, True), device=device)
     cache, _ = _cache(device, 16, "bf16")
     g = torch.Generator().manual_seed(seed)
@@ -395,7 +313,7 @@ def _expected_calls(flags, N, D):
 @pytest.mark.parametrize(
     "flags", FLAG_CASES, ids=lambda f: f"decode={int(f[0])}-prefill={int(f[1])}"
 )
-def test_flag_combinations(device, flags, source, counters, monkeypatch):
+def test_flag_combinations(device, flags, source, prologue_spy, monkeypatch):
     """Each combination runs its halves where the flags say, writes each token's row once, and
     agrees with the all-reference layer."""
     seed = stable_seed("flags", flags, source)
@@ -413,11 +331,11 @@ def test_flag_combinations(device, flags, source, counters, monkeypatch):
         x = _hidden(md, device, seed + i)
         before = cache.clone()
         out = layer(x, md.positions, md, cache, kv_scale)
-        calls = counters.take()
+        calls = prologue_spy.take()
         assert calls == _expected_calls(flags, md.num_tokens, md.num_decode_tokens)
         assert sum(n for n, _ in calls["launch"]) + sum(calls["ref_write"]) == md.num_tokens
         out_ref = ref(x, md.positions, md, cache_ref, kv_scale)
-        counters.take()
+        prologue_spy.take()
         _assert_only_slots_changed(cache, before, md)
         _assert_caches_agree(cache, cache_ref, layer.L)
         _assert_out_close(out, out_ref)
@@ -492,7 +410,7 @@ def test_rope_is_applied_exactly_once(device, flags):
         assert rel_err(rope_twice, rope_once) > 0.05
 
 
-def test_one_launch_and_one_cache_write_per_step(device, counters):
+def test_one_launch_and_one_cache_write_per_step(device, prologue_spy):
     """With both flags on, each step (prefill only, mixed, decode only) is exactly one fused
     launch over all tokens and no reference write; only the batch's slots change."""
     seed = stable_seed("one-write")
@@ -501,7 +419,7 @@ def test_one_launch_and_one_cache_write_per_step(device, counters):
     for i, (md, _) in enumerate(_steps(_schedule(16), 16, device, pad_decodes_to=5, seed=seed)):
         before = cache.clone()
         layer(_hidden(md, device, seed + i), md.positions, md, cache, kv_scale)
-        assert counters.take() == {
+        assert prologue_spy.take() == {
             "launch": [(md.num_tokens, md.num_decode_tokens)],
             "ref_write": [],
         }
@@ -516,7 +434,7 @@ def test_padding_requests_write_nothing(device, flags):
     layer = _layer(device, seed, flags)
     d = _dims(device)
     g = torch.Generator().manual_seed(seed)
-    cache = (torch.randn(24, 16, d["L"] + d["R"], generator=g) * 4).to(device, FP8)
+    cache = (torch.randn(24, 16, d.L + d.R, generator=g) * 4).to(device, FP8)
     kv_scale = torch.tensor([KV_SCALE], device=device)
     schedule = [[("A", 5), ("B", 3)], [("A", 1), ("B", 1)], [("B", 1), ("A", 1)]]
     for i, (md, rids) in enumerate(
@@ -624,31 +542,27 @@ def test_fused_fp8_cache_keeps_nan(device, request):
 
 
 def _prefilled(device, seed, layer, names, bs=16, num_blocks=32, max_blocks=4):
-    """A cache holding one prefill of each request (eager), the allocator and the contexts."""
+    """A cache holding one prefill of each request (eager), its kv_scale and the scheduler."""
     alloc = BlockAllocator(num_blocks, bs, shuffle=False)
     alloc.ensure("reserved", 1)  # block 0: nobody's, so slot 0 must never change
+    sched = Scheduler(alloc, device=device, max_blocks=max_blocks)
     cache, _ = _cache(device, bs, "fp8", num_blocks)
     kv_scale = torch.tensor([KV_SCALE], device=device)
-    steps = [RequestStep(n, 0, 3 + 4 * i) for i, n in enumerate(names)]
-    md, _ = build_metadata(steps, alloc, device=device, max_blocks=max_blocks)
+    md, _ = sched.step([(n, 3 + 4 * i) for i, n in enumerate(names)])
     layer(_hidden(md, device, seed), md.positions, md, cache, kv_scale)
-    return cache, kv_scale, alloc, {s.request_id: s.num_new_tokens for s in steps}
+    return cache, kv_scale, sched
 
 
-def _decode_step(names, ctx, alloc, device, max_b, max_blocks=4):
-    steps = [RequestStep(n, ctx[n], 1) for n in names]
-    md, _ = build_metadata(steps, alloc, device=device, pad_decodes_to=max_b, max_blocks=max_blocks)
-    for n in names:
-        ctx[n] += 1
-    return md
+def _decode_step(sched, names, max_b):
+    return sched.step([(n, 1) for n in names], pad_decodes_to=max_b)[0]
 
 
 def test_compiled_decode_forward_latent_matches_eager(device):
     """torch.compile(fullgraph=True) of a padded decode step: same output and cache bytes."""
     seed = stable_seed("compile-decode")
     layer = _layer(device, seed, (True, True))
-    cache, kv_scale, alloc, ctx = _prefilled(device, seed, layer, ["A", "B", "C"])
-    md = _decode_step(["A", "C", "B"], ctx, alloc, device, 5)
+    cache, kv_scale, sched = _prefilled(device, seed, layer, ["A", "B", "C"])
+    md = _decode_step(sched, ["A", "C", "B"], 5)
     q, kv_c, k_pe = _latent_inputs(md, device, torch.Generator().manual_seed(seed))
 
     def step(q, kv_c, k_pe, positions, cache, kv_scale):
@@ -667,8 +581,8 @@ def test_compiled_decode_step_inductor_cuda(device):
     """The whole decode step (projections, fused prologue, attention, o_proj) under inductor."""
     seed = stable_seed("inductor-decode")
     layer = _layer(device, seed, (True, True))
-    cache, kv_scale, alloc, ctx = _prefilled(device, seed, layer, ["A", "B", "C"])
-    md = _decode_step(["B", "A", "C"], ctx, alloc, device, 8)
+    cache, kv_scale, sched = _prefilled(device, seed, layer, ["A", "B", "C"])
+    md = _decode_step(sched, ["B", "A", "C"], 8)
     x = _hidden(md, device, seed)
 
     def step(x, positions, cache, kv_scale):
@@ -694,8 +608,8 @@ def test_cuda_graph_decode_replay(device):
     layer = _layer(device, seed, (True, True))
     ref = _layer(device, seed, (False, False))
     names = ["A", "B", "C", "D", "E", "F"]
-    cache, kv_scale, alloc, ctx = _prefilled(device, seed, layer, names)
-    static = _decode_step(names[:3], ctx, alloc, device, max_b)
+    cache, kv_scale, sched = _prefilled(device, seed, layer, names)
+    static = _decode_step(sched, names[:3], max_b)
     x = _hidden(static, device, seed)
 
     def check(out, before, cache_ref, md, x_step):
@@ -721,7 +635,7 @@ def test_cuda_graph_decode_replay(device):
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # capture ran nothing
     plan = [names[3:], names[:2] + names[4:5], names, ["F"]]
     for i, batch in enumerate(plan):
-        md = _decode_step(batch, ctx, alloc, device, max_b)
+        md = _decode_step(sched, batch, max_b)
         for name in ("positions", "slot_mapping", "seq_lens", "block_table", "query_start_loc"):
             getattr(static, name).copy_(getattr(md, name))
         x.copy_(_hidden(md, device, seed + 1 + i))
@@ -750,15 +664,14 @@ def _block_fp8(w, block=128):
 def test_block_fp8_checkpoint_is_dequantized(device):
     from fusemla.quant import dequantize_block_fp8
 
-    d = _dims(device)
     seed = stable_seed("block-fp8")
-    sd = _state_dict(d, seed)
+    sd = _state_dict(device, seed)
     sd_fp8, sd_deq = dict(sd), dict(sd)
     for key in ("kv_b_proj.weight", "q_b_proj.weight"):
         codes, scale = _block_fp8(sd[key])
         sd_fp8[key], sd_fp8[key.replace("weight", "weight_scale_inv")] = codes, scale
         sd_deq[key] = dequantize_block_fp8(codes, scale)
-    cfg = _hf_config(d)
+    cfg = _hf_config(device)
     a = MLAAttention.from_state_dict(sd_fp8, cfg, device=device)
     b = MLAAttention.from_state_dict(sd_deq, cfg, device=device)
     for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
@@ -769,14 +682,51 @@ def test_block_fp8_checkpoint_is_dequantized(device):
     assert a.kv_b_proj.weight.dtype == torch.bfloat16
 
 
+def test_prologue_spec_is_built_at_load_not_per_step(device, monkeypatch):
+    """The layer checks its prologue spec (W_UK_T, RoPE tables) once, at load: steps reuse it;
+    a reload, a replaced RoPE table and an in-place write into W_UK_T each rebuild it once, and
+    the steps after a change compute with the new tensors."""
+    import fusemla.contracts.prologue as contract
+
+    builds = []
+    real = contract.build_spec
+    monkeypatch.setattr(contract, "build_spec", lambda *a, **k: builds.append(1) or real(*a, **k))
+    seed = stable_seed("spec-at-load")
+    layer, other = _layer(device, seed, None), _layer(device, seed + 1, None)
+    assert len(builds) == 2
+    steps = list(_steps(_schedule(16)[:2], 16, device, seed=seed))  # prefill, mixed
+
+    def run(lay):
+        cache = _cache(device, 16, "bf16")[0]
+        return [
+            lay(_hidden(md, device, seed + i), md.positions, md, cache)
+            for i, (md, _) in enumerate(steps)
+        ]
+
+    before = run(layer)
+    assert len(builds) == 2  # two steps, no build
+    layer.load_weights(_state_dict(device, seed + 1))
+    assert len(builds) == 3
+    reloaded, theirs = run(layer), run(other)
+    assert all(torch.equal(a, b) for a, b in zip(reloaded, theirs, strict=True))
+    assert rel_err(before[-1].float(), theirs[-1].float()) > 0.1  # other weights indeed
+    layer.sin_cache = -layer.sin_cache  # a replaced buffer
+    flipped = run(layer)
+    assert len(builds) == 4
+    assert rel_err(flipped[-1].float(), reloaded[-1].float()) > 0.01
+    layer.W_UK.mul_(1.0)  # written in place: its version counter moves
+    run(layer)
+    assert len(builds) == 5
+
+
 def test_rope_and_scale_come_from_the_config(device):
     d = _dims(device)
-    cfg = _hf_config(d)
+    cfg = _hf_config(device)
     layer = _layer(device, stable_seed("config-derived"), None)
     cos, sin = split_cos_sin_cache(rope_cache_from_hf_config(cfg, device=device))
     assert torch.equal(layer.cos_cache, cos) and torch.equal(layer.sin_cache, sin)
-    mscale = 0.1 * math.log(4.0) + 1.0
-    assert layer.softmax_scale == pytest.approx((d["P"] + d["R"]) ** -0.5 * mscale**2)
+    mscale = 0.1 * math.log(YARN_FACTOR) + 1.0
+    assert layer.softmax_scale == pytest.approx((d.P + d.R) ** -0.5 * mscale**2)
     assert layer.is_neox is False and layer.dtype == torch.bfloat16
     assert fusemla.MLAAttention is MLAAttention and fusemla.MLAConfig is MLAConfig
     assert not any(p.requires_grad for p in layer.parameters())
@@ -784,7 +734,7 @@ def test_rope_and_scale_come_from_the_config(device):
 
 def test_empty_batch(device):
     layer = _layer(device, stable_seed("empty"), None)
-    md, _ = build_metadata([], BlockAllocator(4, 16), device=device)
+    md, _ = Scheduler(BlockAllocator(4, 16), device=device).step([])
     cache, _ = _cache(device, 16, "bf16", 4)
     x = torch.empty(0, layer.hidden_size, dtype=torch.bfloat16, device=device)
     assert layer(x, md.positions, md, cache).shape == (0, layer.hidden_size)
@@ -792,14 +742,13 @@ def test_empty_batch(device):
 
 def _bad_calls(device):
     seed = stable_seed("bad-calls")
-    d = _dims(device)
     layer = _layer(device, seed, None)
     md, _ = next(_steps(_schedule(16)[:1], 16, device, seed=seed))
     x = _hidden(md, device, seed)
     cache, _ = _cache(device, 16, "fp8")
     q, kv_c, k_pe = _latent_inputs(md, device, torch.Generator().manual_seed(seed))
     pos = md.positions
-    sd, cfg = _state_dict(d, seed), _hf_config(d)
+    sd, cfg = _state_dict(device, seed), _hf_config(device)
 
     def build(**kw):
         return lambda: MLAAttention.from_state_dict(kw.pop("sd", sd), kw.pop("cfg", cfg), **kw)

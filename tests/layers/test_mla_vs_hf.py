@@ -6,10 +6,10 @@ The driver runs an engine-like schedule: requests with prompts of different leng
 different steps and prefill (some in chunks on top of their own cached context) while others
 decode one token per step (mixed batches), finish, and free their blocks, which a later request
 reuses (stale rows in the cache); two steps carry CUDA-graph padding requests. Every step's batch
-comes from :func:`fusemla.metadata.build_metadata` with a shuffled BlockAllocator; the cache starts
-NaN-poisoned. After every step each token's output row is held against HF's output at that
-request position, computed over the request's whole sequence with a causal mask (the output at
-``p`` depends only on positions ``<= p``: what incremental decoding gives, see
+comes from :func:`fusemla.testing.scheduler.build_metadata` with a shuffled BlockAllocator; the
+cache starts NaN-poisoned. After every step each token's output row is held against HF's output
+at that request position, computed over the request's whole sequence with a causal mask (the
+output at ``p`` depends only on positions ``<= p``: what incremental decoding gives, see
 ``test_hf_harness_matches_incremental_decoding``).
 
 Checks per step (rel. L2 = ||out - ref|| / ||ref|| over the step's rows; per row likewise):
@@ -58,9 +58,16 @@ from transformers import DynamicCache
 
 from fusemla.config import MLAConfig
 from fusemla.layers.mla import MLAAttention
-from fusemla.metadata import BlockAllocator, RequestStep, build_metadata
 from fusemla.reference.prologue import quantize_fp8
-from fusemla.testing import fp8_ordinal, poisoned_cache, rel_err, stable_seed
+from fusemla.testing import (
+    BlockAllocator,
+    RequestStep,
+    build_metadata,
+    fp8_ordinal,
+    poisoned_cache,
+    rel_err,
+    stable_seed,
+)
 from fusemla.testing.hf import (
     HFAttention,
     LatentRoundTrip,

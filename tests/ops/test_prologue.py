@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
-from fusemla.ops.prologue import configs, launch
+from fusemla.ops.prologue import configs, launch, policy
 from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
 from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref
 from fusemla.testing import (
@@ -495,7 +495,7 @@ def test_forced_dot_scaled_that_cannot_run_raises(device, monkeypatch):
     with pytest.raises(FuseMLAValueError, match=r"FUSEMLA_MXFP4_PATH=dot_scaled.*P=96"):
         inp.run(mla_prologue, w_uk_t=qw)
     monkeypatch.setenv("FUSEMLA_MXFP4_PATH", "auto")
-    v = platform.choose_prologue_variant(info, weight_format="mxfp4", P=96, L=64, block_l=32)
+    v = policy.choose_prologue_variant(info, weight_format="mxfp4", P=96, L=64, block_l=32)
     assert v.mxfp4_path == "dequant"
 
 
@@ -615,7 +615,7 @@ def test_pdl_under_torch_compile(device, mode, monkeypatch):
     if not platform.supports_pdl(platform.detect(device)):
         pytest.skip("no programmatic dependent launch here")
     monkeypatch.setenv("FUSEMLA_PDL", "on")
-    assert platform.choose_pdl(platform.detect(device))
+    assert policy.choose_pdl(platform.detect(device))
     g = _gen("pdl-compile", mode)
     N, D, H = 40, 32, 16
     inp = make_inputs(N, **_dims(device, H), num_decode_tokens=D, device=device, generator=g)
@@ -660,7 +660,7 @@ def test_pdl_behind_a_triton_producer_in_a_cuda_graph(device, pdl, monkeypatch):
     """A producer writes the prologue's inputs right before it, inside a CUDA graph; with PDL the
     prologue starts early. Replays with new inputs must never see stale ones."""
     from fusemla import platform
-    from fusemla.ops.pdl_probe import produce
+    from fusemla.testing.pdl_probe import produce
 
     if pdl == "on" and not platform.supports_pdl(platform.detect(device)):
         pytest.skip("no programmatic dependent launch here")

@@ -29,14 +29,22 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from fusemla import config
 from fusemla.config import FUSED_DECODE_ENV, FUSED_PREFILL_ENV, MLAConfig
-from fusemla.demo_layer import layer_config, random_weights
 from fusemla.layers import MLAAttention
-from fusemla.metadata import BlockAllocator, RequestStep, build_metadata
 from fusemla.ops.prologue.api import mla_decode_prologue, mla_prologue
 from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref
-from fusemla.testing import check_against_reference, make_inputs, stable_seed
+from fusemla.testing import (
+    SMALL_DIMS,
+    SMALL_LAYER,
+    BlockAllocator,
+    Scheduler,
+    check_against_reference,
+    hf_config,
+    make_inputs,
+    random_state_dict,
+    stable_seed,
+)
 
-DIMS = dict(H=2, P=32, R=16, L=64)
+DIMS = dict(SMALL_DIMS, H=2)
 FP8 = torch.float8_e4m3fn
 
 
@@ -47,22 +55,6 @@ def _fresh_dynamo(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """(N, D) of every fused kernel launch (the custom op's implementation calls it)."""
-    import fusemla.ops.prologue.launch as launch_mod
-
-    seen = []
-    real = launch_mod.launch
-
-    def counting(args, cfg=None):
-        seen.append((int(args.N), int(args.D)))
-        return real(args, cfg)
-
-    monkeypatch.setattr(launch_mod, "launch", counting)
-    return seen
 
 
 def _mark_batch_dynamic(inp):
@@ -88,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("which", list(FNS))
-def test_compiled_prologue_compiles_once_for_all_batch_sizes(device, which, case, kv, launches):
+def test_compiled_prologue_compiles_once_for_all_batch_sizes(device, which, case, kv, prologue_spy):
     """``mark_dynamic`` on the per-token inputs: three batch sizes, one graph, every result equal
     to the reference's (fused: also one kernel launch per call)."""
     if which == "fused" and device == "cpu":
@@ -139,7 +131,7 @@ def test_compiled_prologue_compiles_once_for_all_batch_sizes(device, which, case
         check_against_reference(inp, out, before).assert_ok()
         expected_launches.append((N, N if D is None else D))
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times for N = {sizes}"
-    assert launches == (expected_launches if which == "fused" else [])
+    assert prologue_spy.take()["launch"] == (expected_launches if which == "fused" else [])
 
 
 @pytest.mark.parametrize("which", ["fused", "reference"])
@@ -165,13 +157,12 @@ def test_compiled_decode_prologue_compiles_once(device, which):
 
 # ----------------------------------------------------------------------------- the layer
 
-#: the demo's small DeepSeek-V3-style attention config (4 heads, L=64, YaRN RoPE)
-LAYER_CFG = layer_config("cpu")
+#: the small DeepSeek-V3-style attention config (4 heads, L=64, YaRN RoPE)
+LAYER_CFG = hf_config(SMALL_LAYER)
 
 
 def _layer(device, seed, fused: bool) -> MLAAttention:
-    g = torch.Generator().manual_seed(seed)
-    sd = random_weights(LAYER_CFG, g, torch.float32, "cpu")
+    sd = random_state_dict(LAYER_CFG, torch.Generator().manual_seed(seed))
     return MLAAttention.from_state_dict(
         sd, LAYER_CFG, config=MLAConfig(fused, fused), device=device
     )
@@ -179,7 +170,7 @@ def _layer(device, seed, fused: bool) -> MLAAttention:
 
 @pytest.mark.parametrize("entry", ["forward_latent", "forward"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
-def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches):
+def test_compiled_layer_decode_step_compiles_once(device, fused, entry, prologue_spy):
     """:meth:`MLAAttention.forward_latent` (and :meth:`~MLAAttention.forward`) on decode steps
     padded to 3, 5 and 7 requests: one graph, outputs and cache bytes equal to eager.
 
@@ -196,15 +187,14 @@ def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches
     names = [f"r{i}" for i in range(7)]
     alloc = BlockAllocator(num_blocks, bs, shuffle=False)
     alloc.ensure("reserved", 1)  # block 0: nobody's
+    sched = Scheduler(alloc, device=device, max_blocks=max_blocks)
     cache = torch.zeros(num_blocks, bs, layer.L + layer.R, device=device).to(FP8)
     kv_scale = torch.tensor([3.0 / 448], device=device)
-    steps = [RequestStep(n, 0, 2 + i) for i, n in enumerate(names)]
-    md, _ = build_metadata(steps, alloc, device=device, max_blocks=max_blocks)
+    md, _ = sched.step([(n, 2 + i) for i, n in enumerate(names)])
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(md.num_tokens, layer.hidden_size, generator=g).to(device, torch.bfloat16)
     layer(x, md.positions, md, cache, kv_scale)  # prefill, eager
-    ctx = {s.request_id: s.num_new_tokens for s in steps}
-    launches.clear()
+    prologue_spy.take()  # forget the eager prefill's launch
 
     if entry == "forward_latent":
 
@@ -219,19 +209,9 @@ def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches
     with torch._dynamo.config.patch(specialize_float=True):
         compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
         for n in (3, 5, 7):
-            md, _ = build_metadata(
-                [RequestStep(r, ctx[r], 1) for r in names[: n - 1]],
-                alloc,
-                device=device,
-                pad_decodes_to=n,
-                max_blocks=max_blocks,
-            )
-            for r in names[: n - 1]:
-                ctx[r] += 1
+            md, _ = sched.step([(r, 1) for r in names[: n - 1]], pad_decodes_to=n)
             if entry == "forward_latent":
-                c = LAYER_CFG
-                H, P = c["num_attention_heads"], c["qk_nope_head_dim"]
-                L, R = c["kv_lora_rank"], c["qk_rope_head_dim"]
+                H, P, L, R = layer.H, layer.P, layer.L, layer.R
                 args = (
                     torch.randn(n, H, P + R, generator=g),
                     torch.randn(n, L, generator=g),
@@ -247,4 +227,6 @@ def test_compiled_layer_decode_step_compiles_once(device, fused, entry, launches
             assert torch.equal(cache.view(torch.uint8), cache_eager.view(torch.uint8))
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
     # eager and compiled: one fused launch each per step (none for the reference layer)
-    assert launches == ([(n, n) for n in (3, 5, 7) for _ in range(2)] if fused else [])
+    assert prologue_spy.take()["launch"] == (
+        [(n, n) for n in (3, 5, 7) for _ in range(2)] if fused else []
+    )

@@ -17,6 +17,7 @@ from fusemla.quant import QuantizedWeight, quantize_fp8_weight, quantize_mxfp4_w
 from fusemla.reference.prologue import mla_decode_prologue_ref
 from fusemla.testing import (
     DEEPSEEK_V3,
+    SMALL_DIMS,
     TOL,
     make_inputs,
     rel_err,
@@ -30,8 +31,8 @@ FP8 = torch.float8_e4m3fn
 
 def _dims(device: str, H: int) -> dict:
     if device == "cuda":
-        return dict(H=H, P=DEEPSEEK_V3["P"], R=DEEPSEEK_V3["R"], L=DEEPSEEK_V3["L"])
-    return dict(H=H, P=64, R=16, L=64)  # P = 64: two MXFP4 scale blocks per column
+        return dict(DEEPSEEK_V3, H=H)
+    return dict(SMALL_DIMS, H=H, P=64)  # P = 64: two MXFP4 scale blocks per column
 
 
 def _gen(*parts) -> torch.Generator:

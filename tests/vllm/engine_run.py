@@ -195,7 +195,7 @@ def llm_kwargs(args, on_gpu: bool, max_batch: int) -> dict:
         tensor_parallel_size=args.tp,
         max_num_seqs=max_batch,
         kv_cache_dtype=args.kv_cache_dtype,
-        worker_extension_cls="fusemla.integrations.vllm_testing.FuseMLATestExtension",
+        worker_extension_cls="fusemla.testing.vllm_worker.FuseMLATestExtension",
     )
     if args.backend:
         kw["attention_backend"] = args.backend

@@ -1,6 +1,6 @@
 """End-to-end tests of fusemla's vLLM plugin in vLLM's CUDA build, on a GPU (``--device=cuda``).
 
-Run on the H200 through the offline vLLM bundle (README, "Verified"); skipped without a GPU or
+Run on the H200 through the offline vLLM bundle (docs/results.md, "The vLLM plugin, verified"); skipped without a GPU or
 without vLLM. Every engine configuration runs in its own process (``harness.py``), several at
 a time per GPU (fixed 1 GiB KV caches, so concurrent starts do not disturb vLLM's memory
 profiling); the session fixture runs them all up front, then each test reads its runs.

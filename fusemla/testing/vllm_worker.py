@@ -1,13 +1,14 @@
 """Test instrumentation for the vLLM plugin, run inside vLLM's workers (never used in serving).
 
-Passed to vLLM as ``worker_extension_cls="fusemla.integrations.vllm_testing.FuseMLATestExtension"``
+Passed to vLLM as ``worker_extension_cls="fusemla.testing.vllm_worker.FuseMLATestExtension"``
 and driven through ``LLM.collective_rpc``: it works whether the workers share the test driver's
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) or not (TP=2). It
 
 - logs every KV-cache write (vLLM's ``impl.do_kv_cache_update``, fusemla's kernel launch and
   fusemla's PyTorch reference) as (layer, slots), so a test can check that each token's row is
   written exactly once;
-- counts Triton kernel launches (``fusemla.ops.prologue.launch.launch``) vs the reference;
+- counts Triton kernel launches (``fusemla.ops.prologue.launch.launch``) vs the reference,
+  through the tests' one launch spy (:class:`fusemla.testing.spy.PrologueSpy`);
 - records each MLA layer's output per step (forward hooks; eager mode only);
 - zeroes the KV caches before the run and dumps them after it;
 - can inject the bugs the tests must catch: ``double_rope`` (the prologue's inputs are rotated
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from fusemla.integrations.vllm import _capturing
+from fusemla.testing.spy import PrologueSpy
 
 _log: dict = {"writes": [], "kernel": 0, "reference": 0, "captures": {}}
 _installed = False
@@ -55,8 +57,6 @@ def _install(model, inject: str, capture: bool) -> None:
     if _installed:
         return
     _installed = True
-    import fusemla.ops.prologue.launch as launch_mod
-    import fusemla.reference.prologue as ref_mod
     from fusemla.integrations import vllm as plugin
 
     noise = float(inject.split(":", 1)[1]) if inject.startswith("noise:") else 0.0
@@ -89,25 +89,15 @@ def _install(model, inject: str, capture: bool) -> None:
     def record(args, who):
         if _capturing():
             return
+        _log[who] += 1
         name = by_ptr.get(args.kv_cache.data_ptr(), "?")
         _log["writes"].append((name, who, args.slot_mapping.detach().cpu().long().numpy().copy()))
 
-    orig_launch = launch_mod.launch
-
-    def counted_launch(args, cfg=None):
-        _log["kernel"] += not _capturing()
-        record(args, "kernel")
-        return orig_launch(args, cfg)
-
-    launch_mod.launch = counted_launch
-    orig_ref = ref_mod.prologue_into
-
-    def counted_ref(args):
-        _log["reference"] += not _capturing()
-        record(args, "reference")
-        return orig_ref(args)
-
-    ref_mod.prologue_into = counted_ref
+    PrologueSpy(
+        on_launch=lambda args: record(args, "kernel"),
+        on_reference=lambda args: record(args, "reference"),
+        keep=False,
+    ).install()
 
     if inject == "double_rope":
         orig_prologue = plugin._prologue
