@@ -49,7 +49,7 @@ What AITER does differently from a straightforward prologue (read from its sourc
 
 Usage::
 
-    from aiter_peer import AiterPrologue, available, check, config_space
+    from benchmarks.aiter_peer import AiterPrologue, available, check, config_space
     if available() is None:
         p = AiterPrologue(w_uk_t_fp8, w_scale, q_nope, q_pe, kv_c, k_pe, positions,
                           cos_cache, sin_cache, kv_cache, slot_mapping, kv_scale=kv_scale,
@@ -58,7 +58,9 @@ Usage::
         errs = check(p, ref_q, ref_cache)   # [] when it matches the references
 
 ``python benchmarks/aiter_peer.py`` runs :func:`self_test` (H=2, B=3, DeepSeek dims; on the GPU
-when there is one, else under ``TRITON_INTERPRET=1``).
+when there is one, else under ``TRITON_INTERPRET=1``); ``--smoke`` runs it on the CPU under the
+interpreter. Both need the AITER files in ``.peers/aiter`` (exit status 1 without them; the
+benchmarks' smoke runner skips this one, saying why, when the folder is missing).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def _load() -> dict:
     commit = commit_file.read_text().strip() if commit_file.is_file() else None
     if commit != AITER_COMMIT:
         raise ImportError(f"{commit_file}: AITER commit {commit!r}, expected {AITER_COMMIT}")
+    # AITER's files import each other as the top-level package "aiter": its copy's root must
+    # be on the path (the one sys.path entry of the benchmarks, and only for the peer's source)
     if str(PEER_DIR) not in sys.path:
         sys.path.insert(0, str(PEER_DIR))
     kmod = importlib.import_module(KERNEL_MODULE)
@@ -664,4 +668,7 @@ def self_test(device: str | None = None, configs: list[dict] | None = None) -> b
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--smoke"]:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel's module is imported
+        sys.exit(0 if self_test("cpu") else 1)
     sys.exit(0 if self_test() else 1)

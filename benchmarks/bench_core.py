@@ -1,13 +1,11 @@
-"""Shared machinery of bench_prologue.py: the run's state (:class:`Bench`: rows, failures, JSON),
-one implementation on one layer (:class:`Runner`), the checks run on the captured graph before
-timing (:func:`prologue_check`, :func:`bmm_check`) and the decode-row runners.
+"""Shared machinery of bench_prologue.py and the probes: the run's state (:class:`Bench`: rows,
+failures, JSON), one implementation on one layer (:class:`Runner`), the checks run on the captured
+graph before timing (:func:`prologue_check`, :func:`bmm_check`, :func:`aiter_check`) and the
+decode-row runners (:func:`fused_runner` with any weight format, tile config and weight layout).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,19 +14,17 @@ from typing import Any
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from common import CheckFailed, time_eager, time_graph  # noqa: E402
-from peers import EnginePrologue, make_compiled_body  # noqa: E402
-
-from fusemla.contracts.prologue import prepare  # noqa: E402
-from fusemla.ops.prologue.api import mla_decode_prologue  # noqa: E402
-from fusemla.ops.prologue.launch import launch  # noqa: E402
-from fusemla.quant import quantize_fp8_weight, quantize_mxfp4_weight  # noqa: E402
-from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref  # noqa: E402
-from fusemla.testing import (  # noqa: E402
+from benchmarks.common import CheckFailed, sync, timer, write_json
+from benchmarks.peers import EnginePrologue, make_compiled_body
+from fusemla.contracts.prologue import prepare
+from fusemla.ops.prologue.api import mla_decode_prologue
+from fusemla.ops.prologue.launch import launch
+from fusemla.quant import QuantizedWeight, quantize_fp8_weight, quantize_mxfp4_weight
+from fusemla.reference.prologue import mla_decode_prologue_ref, mla_prologue_ref
+from fusemla.testing import (
+    DEEPSEEK_V3,
     FP8_NAN_BYTE,
+    SMALL_DIMS,
     check_against_reference,
     compare,
     make_inputs,
@@ -37,7 +33,8 @@ from fusemla.testing import (  # noqa: E402
 
 LAYERS = 8
 SMOKE_LAYERS = 2
-SMOKE_DIMS = dict(P=32, R=16, L=64)
+SMOKE_DIMS = {k: SMALL_DIMS[k] for k in ("P", "R", "L")}
+FULL_DIMS = {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
 SMOKE_HEADS = [2]
 SMOKE_BATCHES = [1, 5]
 BLOCK_SIZE = 64
@@ -132,11 +129,6 @@ def prologue_check(inp, r: Runner) -> Callable:
     return check
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 @dataclass
 class Bench:
     smoke: bool
@@ -154,14 +146,34 @@ class Bench:
     compiled: dict = field(default_factory=dict)
     copy_bw: float = 0.0
 
+    @classmethod
+    def for_run(
+        cls, smoke: bool, max_tokens: int, layers: int | None = None, out_path: str | None = None
+    ) -> Bench:
+        """A smoke's (CPU, small dims, 2 layers) or a GPU run's (DeepSeek-V3 dims, 8 layers)
+        state, with cache blocks for ``max_tokens`` tokens per layer."""
+        return cls(
+            smoke=smoke,
+            device="cpu" if smoke else "cuda",
+            dims=dict(SMOKE_DIMS if smoke else FULL_DIMS),
+            layers=layers or (SMOKE_LAYERS if smoke else LAYERS),
+            num_blocks=max(2, (2 * max_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE + 1),
+            out_path=out_path,
+        )
+
     @property
     def backend(self) -> str:
         return "interpreter" if self.smoke else "cuda"
 
-    def time(self, calls, check=None, rep: int = 250) -> float:
+    @property
+    def num_sms(self) -> int:
+        """The GPU's multiprocessors (1 under the interpreter)."""
         if self.smoke:
-            return time_eager(calls, check=check)
-        return time_graph(calls, rep=rep, check=check)
+            return 1
+        return torch.cuda.get_device_properties(torch.device(self.device)).multi_processor_count
+
+    def time(self, calls, check=None, rep: int = 250) -> float:
+        return timer(self.smoke)(calls, rep=rep, check=check)
 
     def fail(self, key: dict, problems: list) -> None:
         self.failures.append(dict(key, problems=list(problems)))
@@ -214,10 +226,7 @@ class Bench:
             result["failures"] = self.failures
         if self.skipped:
             result["skipped"] = self.skipped
-        tmp = self.out_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        os.replace(tmp, self.out_path)
+        write_json(self.out_path, result)
 
     def inputs(self, B: int, H: int, kv_dtype, seed: int, num_decode_tokens=None) -> list:
         g = torch.Generator().manual_seed(seed)
@@ -286,8 +295,21 @@ def mark_batch_dynamic(x, out) -> None:
 # --------------------------------------------------------------------------------- runners
 
 
-def fused_runner(x, out, fmt="bf16", cfg=None) -> Runner:
+def laid_out(w, layout: str):
+    """The same weight stored L-contiguous ("l") or K-major ("k": ``[H, L, P]`` storage seen as
+    ``[H, P, L]``)."""
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(laid_out(w.data, layout), w.scale, w.format)
+    return w.contiguous() if layout == "l" else w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def fused_runner(x, out, fmt="bf16", cfg=None, layout: str | None = None) -> Runner:
+    """The fused kernel on layer ``x`` with its weight in ``fmt``: through the public op
+    (``cfg`` None), or prepared once and launched with tile config ``cfg``; ``layout`` "l" /
+    "k" re-stores the weight (:func:`laid_out`; None: as quantized)."""
     w = quantized(x, fmt)
+    if layout is not None:
+        w = laid_out(w, layout)
     args = list(x.args())
     args[4] = w
     weight = None if fmt == "bf16" else w
@@ -334,7 +356,7 @@ def aiter_peers(layers: list, cfg: dict | None, weight_layout: str = "aiter") ->
     """AMD AITER's fused kernel (``aiter_peer.AiterPrologue``) on each layer's inputs with the
     layer's FP8 weight (``cfg`` None: AITER's default config), each launched once so it is
     compiled outside the graph."""
-    import aiter_peer as ap
+    from benchmarks import aiter_peer as ap
 
     peers = []
     for x in layers:
@@ -365,7 +387,7 @@ def aiter_peers(layers: list, cfg: dict | None, weight_layout: str = "aiter") ->
 def aiter_check(p, x) -> Callable:
     """check(replay) for AITER peer ``p`` on layer ``x``: poison its q and the cache, replay,
     compare with ``aiter_peer.reference`` (``aiter_peer.check``'s tolerances)."""
-    import aiter_peer as ap
+    from benchmarks import aiter_peer as ap
 
     def check(replay):
         poison_(p.q_out)

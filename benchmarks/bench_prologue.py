@@ -12,14 +12,15 @@ block size 64, fresh random data) on the captured graph itself: outputs and cach
 NaN-poisoned, the graph replayed, the results compared. A wrong implementation goes into
 ``failures`` and gets no row; the script then exits with status 1.
 
-Usage (on a GPU)::
+Usage (on a GPU, from the repository root; ``python -m benchmarks run bench_prologue ARGS`` is
+the same)::
 
-    python benchmarks/bench_prologue.py --out results.json          # = --all: the final table
-    python benchmarks/bench_prologue.py --rows --heads 128 --batches 1 64   # a subset
-    python benchmarks/bench_prologue.py --sweep [--sweep-batches 1 8 64 512] [--sweep-formats bf16]
+    python -m benchmarks.bench_prologue --out results.json          # = --all: the final table
+    python -m benchmarks.bench_prologue --rows --heads 128 --batches 1 64   # a subset
+    python -m benchmarks.bench_prologue --sweep [--sweep-batches 1 8 64 512] [--sweep-formats bf16]
         [--sweep-max 50]                     # grid: prologue_sweep.sweep_space
-    python benchmarks/bench_prologue.py [modes...] --plan   # rows/compiles/configs, no GPU needed
-    TRITON_INTERPRET=1 python benchmarks/bench_prologue.py --smoke --out /tmp/smoke.json  # CPU
+    python -m benchmarks.bench_prologue [modes...] --plan   # rows/compiles/configs, no GPU needed
+    python -m benchmarks.bench_prologue --smoke --out /tmp/smoke.json  # CPU, TRITON_INTERPRET=1
 
 A plan (rows, torch.compile compiles, sweep configs, a rough GPU time) is printed first.
 
@@ -45,7 +46,7 @@ one timed eager pass instead of a CUDA graph, PDL off):
 
 ``--chain`` (``op="pdl_chain"``, PDL off vs on, H x ``--chain-batches``): per layer
 ``qb_gemm_chain_*``: cuBLAS x[B,1536] @ W_qb[1536, H*192] whose q_nope / q_pe views feed the
-prologue, then the prologue, then the next kernel (``fusemla.ops.pdl_probe.produce`` reading the
+prologue, then the prologue, then the next kernel (``fusemla.testing.pdl_probe.produce`` reading the
 prologue's q; with PDL it waits with ``gdc_wait`` first). ``triton_producer_chain_*``: two Triton
 producers write the prologue's inputs (as torch.compile's kv_c RMSNorm kernel would), the
 prologue, the same next kernel. ``*_producers_only``: the chain without the prologue. Chain
@@ -78,32 +79,23 @@ bandwidth measured first) and JSON ``{"header", "rows", "sweep", "sweep_skipped"
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import os
-import platform
-import sys
 import time
 
 import torch
-import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from bench_core import (  # noqa: E402
+from benchmarks.bench_core import (
     BLOCK_SIZE,
     COMPILED_NOTE,
     DECODE_IMPLS,
     ENGINE_NOTE,
     KV_DTYPES,
     KV_NAMES,
-    LAYERS,
     MIXED_IMPLS,
     SMOKE_BATCHES,
     SMOKE_DIMS,
     SMOKE_HEADS,
-    SMOKE_LAYERS,
     W_BYTES,
     W_FORMATS,
     Bench,
@@ -119,15 +111,13 @@ from bench_core import (  # noqa: E402
     min_bytes,
     prologue_check,
 )
-from bench_sections import chain_rows, floor_rows, self_test  # noqa: E402
-from common import CheckFailed, commit_id  # noqa: E402
-from peers import EnginePrologue  # noqa: E402
-from prologue_sweep import best_configs_literal, smoke_subset, sweep_space  # noqa: E402
-
-from fusemla.ops.prologue import configs  # noqa: E402
-from fusemla.ops.prologue.api import mla_prologue  # noqa: E402
-from fusemla.reference.prologue import mla_prologue_ref  # noqa: E402
-from fusemla.testing import DEEPSEEK_V3  # noqa: E402
+from benchmarks.bench_sections import chain_rows, floor_rows, self_test
+from benchmarks.common import CheckFailed, ensure_interpreter, run_header, verdict
+from benchmarks.peers import EnginePrologue
+from benchmarks.prologue_sweep import best_configs_literal, smoke_subset, sweep_space
+from fusemla.ops.prologue import configs
+from fusemla.ops.prologue.api import mla_prologue
+from fusemla.reference.prologue import mla_prologue_ref
 
 # rough cost model of the GPU run for the estimate printed at the start (seconds)
 COST_ROW, COST_COMPILE, COST_SWEEP_CONFIG = 0.8, 2.0, 3.0
@@ -303,7 +293,7 @@ def aiter_rows(b: Bench, a) -> None:
     the bf16-activation reference, RoPE and cache rows within 1 ulp, untouched rows untouched)
     on the captured graph before it is timed; rows ``aiter_fp8_default`` (AITER's own tuned
     table) and ``aiter_fp8_best`` (best of ``aiter_peer.config_space()``), bf16 cache."""
-    import aiter_peer as ap
+    from benchmarks import aiter_peer as ap
 
     why = ap.available()
     if why is not None:
@@ -562,43 +552,24 @@ def main(argv=None) -> int:
     print(estimate(a, modes), flush=True)
     if a.plan:
         return 0
-    from fusemla.config import interpreting
-
-    if a.smoke and not interpreting():
-        print("--smoke runs the Triton interpreter: re-running with TRITON_INTERPRET=1", flush=True)
-        os.environ["TRITON_INTERPRET"] = "1"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
-    if not a.smoke and not torch.cuda.is_available():
+    if a.smoke:
+        ensure_interpreter()
+    elif not torch.cuda.is_available():
         print("bench_prologue: needs a GPU (or --smoke, on the CPU under the Triton interpreter)")
         return 2
     os.environ["FUSEMLA_PDL"] = "off"  # the chain rows switch it on where they measure it
     torch._dynamo.config.cache_size_limit = 256
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
-    device = "cpu" if a.smoke else "cuda"
-    dims = dict(SMOKE_DIMS) if a.smoke else {k: DEEPSEEK_V3[k] for k in ("P", "R", "L")}
     max_tokens = max([*a.batches, *a.chain_batches, *a.sweep_batches, 12 if a.smoke else 544])
-    b = Bench(
-        smoke=a.smoke,
-        device=device,
-        dims=dims,
-        layers=SMOKE_LAYERS if a.smoke else LAYERS,
-        num_blocks=max(2, (2 * max_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE + 1),
-        out_path=a.out,
-    )
-    b.copy_bw = copy_bandwidth_gbps(device)
-    b.header = dict(
-        gpu=torch.cuda.get_device_name() if not a.smoke else "cpu (smoke: Triton interpreter)",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
-        commit=commit_id(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    b = Bench.for_run(a.smoke, max_tokens, out_path=a.out)
+    b.copy_bw = copy_bandwidth_gbps(b.device)
+    b.header = run_header(
+        a.smoke,
         copy_bw_gbps=round(b.copy_bw, 1),
         layers_per_graph=b.layers,
-        dims=dims,
+        dims=b.dims,
         block_size=BLOCK_SIZE,
-        smoke=a.smoke,
         modes=sorted(modes),
         pdl="FUSEMLA_PDL=off everywhere except the pdl_chain rows named *_pdl_on",
         method=(
@@ -644,21 +615,11 @@ def main(argv=None) -> int:
     b.save()
     if a.out:
         print(f"wrote {a.out}")
-    bad_rows = [r for r in b.rows if r.get("correct") is not True]
-    if b.failures or bad_rows:
-        for f in b.failures:
-            print(f"  FAILED {fmt_key(f)}: {'; '.join(f['problems'])[:300]}")
-        print(
-            f"correctness: {len(b.failures)} FAILED checks/errors"
-            + (f", {len(bad_rows)} rows not correct" if bad_rows else "")
-            + " (see 'failures'); exit status 1"
-        )
-        return 1
-    print(
-        f"correctness: all {len(b.rows)} rows and {len(b.sweep)} sweep configs checked and "
-        "agree with the reference"
-    )
-    return 0
+    for f in b.failures:
+        print(f"  FAILED {fmt_key(f)}: {'; '.join(f['problems'])[:300]}")
+    if a.smoke and "sweep" in modes and not b.sweep:
+        b.failures.append(dict(op="sweep", impl="smoke", problems=["no sweep config checked"]))
+    return verdict(b.rows + b.sweep, b.failures, a.smoke, "rows and sweep configs")
 
 
 def print_tables(rows: list) -> None:

@@ -8,7 +8,8 @@ import os
 from collections.abc import Callable
 
 import torch
-from bench_core import (
+
+from benchmarks.bench_core import (
     BLOCK_SIZE,
     KV_NAMES,
     Q_LORA_RANK,
@@ -20,14 +21,12 @@ from bench_core import (
     fused_runner,
     poison_,
     prologue_check,
-    sync,
 )
-from common import CheckFailed
-from peers import empty_launch, rotary, weight_read, weight_read_programs
-
-from fusemla.ops.pdl_probe import produce
+from benchmarks.common import CheckFailed, sync
+from benchmarks.peers import empty_launch, rotary, weight_read, weight_read_programs
 from fusemla.ops.prologue.api import mla_prologue
 from fusemla.testing import check_against_reference, make_inputs, rel_err
+from fusemla.testing.pdl_probe import produce
 
 # --------------------------------------------------------------------------------- chains
 
@@ -190,53 +189,12 @@ def floor_rows(b: Bench, a) -> None:
         empty_check,
         note="one 1-program Triton kernel per layer (stores one int32)",
     )
-    num_sms = (
-        1 if b.smoke else torch.cuda.get_device_properties(torch.device(dev)).multi_processor_count
-    )
     P, L = b.dims["P"], b.dims["L"]
     for H in a.heads:
         torch.manual_seed(H)
         ws = [torch.randn(H, P, L, device=dev).to(torch.bfloat16) for _ in range(b.layers)]
-        best = None
-        for pps, block in ((2, 1024), (4, 2048), (8, 1024), (16, 512)):
-            grid, per = weight_read_programs(H * P * L, pps * num_sms, block)
-            parts = [torch.empty(grid, dtype=torch.float32, device=dev) for _ in ws]
-
-            def check(replay, parts=parts, ws=ws):
-                for p in parts:
-                    poison_(p)
-                replay()
-                sync(dev)
-                probs = []
-                for i, (w, p) in enumerate(zip(ws, parts)):
-                    want = float(w.double().sum())
-                    tol = 1e-4 * float(w.double().abs().sum())
-                    if not abs(float(p.double().sum()) - want) <= tol:
-                        probs.append(f"layer {i}: sum of partial sums wrong")
-                return probs
-
-            key = dict(op="floor", impl="weight_read", w_dtype="bf16", kv_dtype=None, H=H, B=None)
-            runners = [
-                Runner(lambda w=w, p=p, n=pps * num_sms, blk=block: weight_read(w, p, n, blk), None)
-                for w, p in zip(ws, parts)
-            ]
-            try:
-                us = b.time([r.run for r in runners], check=check)
-            except CheckFailed as e:
-                b.fail(dict(key, config=dict(programs=grid, block=block)), e.problems)
-                continue
-            except Exception as e:  # noqa: BLE001
-                b.fail(
-                    dict(key, config=dict(programs=grid, block=block)),
-                    [f"raised {type(e).__name__}: {e}"],
-                )
-                continue
-            print(f"   floor weight_read H={H} programs={grid} block={block}: {us:.2f} us")
-            if best is None or us < best[0]:
-                best = (
-                    us,
-                    dict(programs=grid, programs_per_sm=pps, block=block, elements_per_program=per),
-                )
+        key = dict(op="floor", impl="weight_read", w_dtype="bf16", kv_dtype=None, H=H, B=None)
+        best = weight_read_floor(b, ws, key)
         if best:
             nbytes = H * P * L * 2
             gbps = nbytes / (best[0] * 1e-6) / 1e9
@@ -249,13 +207,60 @@ def floor_rows(b: Bench, a) -> None:
                     min_bytes=nbytes,
                     correct=True,
                     config=best[1],
-                    note="best of 4 grids; reads W_UK_T once, one fp32 per program",
+                    note=f"best of {len(WEIGHT_READ_GRIDS)} grids; reads W_UK_T once, one fp32 "
+                    "per program",
                 )
             )
             print(f"   floor weight_read H={H}: best {best[0]:.2f} us {best[1]}")
-        ws = parts = runners = None
+        ws = None
         empty_cache(b)
     b.save()
+
+
+#: the weight-read floor's grids: (programs per multiprocessor, elements per block)
+WEIGHT_READ_GRIDS = ((2, 1024), (4, 2048), (8, 1024), (16, 512))
+
+
+def weight_read_floor(b: Bench, ws: list, key: dict) -> tuple[float, dict] | None:
+    """The fastest of :data:`WEIGHT_READ_GRIDS` reading every weight in ``ws`` (one per layer)
+    once: ``(us, config)``, or None when none ran. Each grid's partial sums are checked (their
+    sum is the weight's) before it is timed; a wrong or failing grid goes to ``b.fail``."""
+    dev = b.device
+    best = None
+    for pps, block in WEIGHT_READ_GRIDS:
+        grid, per = weight_read_programs(ws[0].numel(), pps * b.num_sms, block)
+        parts = [torch.empty(grid, dtype=torch.float32, device=dev) for _ in ws]
+
+        def check(replay, parts=parts):
+            for p in parts:
+                poison_(p)
+            replay()
+            sync(dev)
+            probs = []
+            for i, (w, p) in enumerate(zip(ws, parts)):
+                want = float(w.double().sum())
+                tol = 1e-4 * float(w.double().abs().sum())
+                if not abs(float(p.double().sum()) - want) <= tol:
+                    probs.append(f"layer {i}: sum of partial sums wrong")
+            return probs
+
+        calls = [
+            lambda w=w, p=p, n=pps * b.num_sms, blk=block: weight_read(w, p, n, blk)
+            for w, p in zip(ws, parts)
+        ]
+        cfg = dict(programs=grid, programs_per_sm=pps, block=block, elements_per_program=per)
+        try:
+            us = b.time(calls, check=check)
+        except CheckFailed as e:
+            b.fail(dict(key, config=cfg), e.problems)
+            continue
+        except Exception as e:  # noqa: BLE001
+            b.fail(dict(key, config=cfg), [f"raised {type(e).__name__}: {e}"])
+            continue
+        print(f"   floor weight_read H={ws[0].shape[0]} programs={grid} block={block}: {us:.2f} us")
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    return best
 
 
 # --------------------------------------------------------------------------------- self-test

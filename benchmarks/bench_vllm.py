@@ -21,16 +21,18 @@ q_lora 1536, kv_lora 512, rope 64, nope 128, v 128; 16 or 128 heads; 4 layers; M
 random weights), bf16, vLLM's default compile and CUDA-graph mode (FULL_AND_PIECEWISE).
 
     python benchmarks/bench_vllm.py --out results.json          # on a GPU with vLLM
-    python benchmarks/bench_vllm.py --smoke                      # CPU vLLM: the script runs
+    python benchmarks/bench_vllm.py --smoke                      # CPU vLLM, tiny model
 
-Run with vLLM installed (on the H200: through the offline bundle, README "Verified").
+``--smoke`` fails unless every (batch, variant) measured a TPOT and no engine reported an error.
+The script also runs as ``python -m benchmarks.bench_vllm`` (its engines run it as a file).
+
+Run with vLLM installed (on the H200: through the offline bundle, docs/results.md, "How the suite ran on the H200").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,9 +41,12 @@ import threading
 import time
 from pathlib import Path
 
-# kernel name -> category: the full-depth benchmark's table (MoE, FP8 quant and norm included);
-# run as a script, so benchmarks/ is on sys.path
-from vllm_depth import category
+# from the full-depth benchmark: kernel name -> category (its table: MoE, FP8 quant and norm
+# included) and an engine process's environment
+if __package__:
+    from benchmarks.vllm_depth import category, engine_env
+else:  # run as a file (as its engines are): benchmarks/ is sys.path[0]
+    from vllm_depth import category, engine_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -125,7 +130,7 @@ def worker(args) -> None:
         res = {"tpot_ms": 1e3 * dt / steps}
         if prof is not None:
             prof.__exit__(None, None, None)
-            from fusemla.integrations.vllm_testing import cuda_kernel_times
+            from fusemla.testing.vllm_worker import cuda_kernel_times
 
             res["kernel_us_per_step"] = {
                 k: us / steps for k, (_, us) in cuda_kernel_times(prof).items()
@@ -153,15 +158,12 @@ def worker(args) -> None:
 class Engine:
     def __init__(self, name: str, model: str, variant: str, args, gpu: int | None, log_dir: Path):
         self.name = name
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("FUSEMLA_", "VLLM_"))}
-        env.update(
-            FUSEMLA_VLLM="0" if variant == "off" else "1",
-            PYTHONUNBUFFERED="1",
+        env = engine_env(
+            variant,
+            log_dir / "cache" / name,
+            strip=("FUSEMLA_", "VLLM_"),
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CACHE_ROOT=str(log_dir / "cache" / name),
         )
-        if variant in ("fp8", "fp8xfp8"):
-            env["FUSEMLA_VLLM_W_UK"] = variant
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         if args.smoke:
@@ -344,6 +346,20 @@ def main() -> None:
     if results["errors"]:
         print("errors:", json.dumps(results["errors"], indent=1)[:3000])
         sys.exit(1)
+    missing = [
+        f"{m}/B{b}/{v}"
+        for m in args.models
+        for b in args.batches
+        for v in variants
+        if not any(
+            r["model"] == m and r["batch"] == b and r["median"].get(v, 0) > 0
+            for r in results["rows"]
+        )
+    ]
+    if missing:
+        print(f"no TPOT measured for {missing}; exit status 1")
+        sys.exit(1)
+    print(f"bench_vllm: {len(results['rows'])} rows, every variant measured")
 
 
 def print_table(results: dict) -> None:

@@ -1,12 +1,16 @@
-"""The fused kernel's tile-config sweep of bench_prologue.py (``--sweep``).
+"""The fused kernel's tile-config grids: bench_prologue.py's sweep (``--sweep``) and the probes'.
 
-:func:`sweep_space` is the grid: a list of override dicts applied on top of the config the
+:func:`sweep_space` is the sweep's grid: a list of override dicts applied on top of the config the
 launcher itself would pick for the shape (:func:`fusemla.ops.prologue.configs.launch_config`
 with its batch bucket and weight format), the shipped config first. Every config is checked
 against the reference (q and every cache byte, after NaN-poisoning) on the captured graph before
 it is timed; a wrong one goes to ``failures`` (a kernel bug), one whose launch raises (out of
 shared memory, registers...) to ``sweep_skipped``. :func:`best_configs_literal` prints the winners
 as a Python dict literal to paste into ``configs.py``.
+
+The probes (``benchmarks/probes/``) take their grids from here too: :func:`probe_grid` (a few
+tiles of the sweep's grid per batch bucket), :data:`PROBE_FORMATS` x :data:`LAYOUTS` (weight
+formats and weight layouts), :data:`STAGE_VARIANTS` (the stage probe's tiles).
 """
 
 from __future__ import annotations
@@ -75,6 +79,38 @@ def sweep_space(B: int) -> list[dict]:
             for (bl, bt, nw, ns, pps), rr, cr in tiles
         ]
     return [{}] + grid
+
+
+#: the probes' weight formats ("fp8xfp8": FP8 weights with ``act_quant="fp8"``)
+PROBE_FORMATS = ("bf16", "fp8", "fp8xfp8")
+#: weight layouts: "l" L-contiguous ``[H, P, L]``, "k" K-major (``[H, L, P]`` storage)
+LAYOUTS = ("l", "k")
+#: the stage probe's variants: (weight format, layout, BLOCK_L, num_warps)
+STAGE_VARIANTS = (
+    ("bf16", "l", 64, 4),
+    ("bf16", "k", 64, 4),
+    ("fp8", "k", 128, 4),
+    ("fp8", "l", 64, 4),
+    ("fp8xfp8", "k", 256, 4),
+    ("fp8xfp8", "k", 128, 4),
+)
+#: the layout probe's small-batch tiles (BLOCK_L, num_warps): one program per item, one stage
+_PROBE_SMALL = ((64, 4), (64, 8), (128, 4), (128, 8), (256, 4))
+
+
+def probe_grid(B: int) -> list[dict]:
+    """The layout probe's override dicts for ``B`` decode tokens (the shipped config not
+    included): five one-program-per-item, one-stage tiles of :func:`sweep_space`'s small grid
+    for B <= SMALL_BATCH, else three of :data:`LARGE_BMM`."""
+    if B <= SMALL_BATCH:
+        return [
+            dict(BLOCK_L=bl, BLOCK_T=16, num_warps=nw, num_stages=1, programs_per_sm=0.0)
+            for bl, nw in _PROBE_SMALL
+        ]
+    return [
+        dict(BLOCK_L=bl, BLOCK_T=bt, num_warps=nw, num_stages=ns, programs_per_sm=float(pps))
+        for bl, bt, nw, ns, pps in (LARGE_BMM[3], LARGE_BMM[1], LARGE_BMM[2])
+    ]
 
 
 def smoke_subset(space: list[dict], dims: dict, n: int = 3) -> list[dict]:

@@ -2,6 +2,7 @@
 
     python benchmarks/summarize.py benchmarks/results/h200_prologue.json \
         [benchmarks/results/h200_mla_layer.json]
+    python benchmarks/summarize.py --smoke   # the committed results: every table has rows
 
 Every table's numbers come from one run (one JSON file). Every row in a bench_prologue.py JSON
 was checked against the reference before it was timed; a JSON with ``failures`` is reported
@@ -11,11 +12,21 @@ first (the failed shapes have no rows). Older JSONs (impl ``unfused`` = the eage
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 
-#: impl names of older JSONs -> today's
+#: impl names of older bench_prologue JSONs -> today's (the layer's rows keep "unfused")
 ALIASES = {"unfused": "reference_eager"}
+ALIASED_OPS = ("decode_prologue", "mixed_prologue")
+#: what ``--smoke`` summarizes: committed results of each kind of table
+SMOKE_FILES = (
+    "benchmarks/results/h200_prologue.json",
+    "benchmarks/results/h200_mla_layer.json",
+    "benchmarks/results/h200_pdl_chain.json",
+    "benchmarks/results/h200_rows_aiter_dfbba2c.json",
+)
 
 
 def _load(path: str) -> tuple[dict, list]:
@@ -41,7 +52,10 @@ def _load(path: str) -> tuple[dict, list]:
             )
             print(f"- {what}: {'; '.join(f.get('problems', []))[:200]}")
         print()
-    rows = [dict(r, impl=ALIASES.get(r["impl"], r["impl"])) for r in d["rows"]]
+    rows = [
+        dict(r, impl=ALIASES.get(r["impl"], r["impl"])) if r.get("op") in ALIASED_OPS else r
+        for r in d["rows"]
+    ]
     return h, rows
 
 
@@ -251,5 +265,39 @@ def print_floors(rows: list) -> None:
         )
 
 
+def table_rows(text: str) -> list[int]:
+    """The data rows of each markdown table in ``text``, table by table."""
+    lines = text.splitlines()
+    counts = []
+    for i, line in enumerate(lines):
+        if line.startswith("|---"):
+            n = 0
+            for x in lines[i + 1 :]:
+                if not x.startswith("| "):
+                    break
+                n += 1
+            counts.append(n)
+    return counts
+
+
+def smoke() -> int:
+    """Summarize :data:`SMOKE_FILES`; exit status 1 unless every file prints tables and every
+    table has a row."""
+    bad = []
+    for path in SMOKE_FILES:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            main([path])
+        counts = table_rows(buf.getvalue())
+        print(f"{path}: {len(counts)} tables, rows {counts}")
+        if not counts or not all(counts):
+            bad.append(path)
+            print(buf.getvalue())
+    print("summarize smoke:", "ok" if not bad else f"tables without rows from {bad}")
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--smoke"]:
+        sys.exit(smoke())
     main(sys.argv[1:])

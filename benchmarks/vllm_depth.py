@@ -651,6 +651,25 @@ def profile_window(llm, batch: int, context: int, args, vocab: int, sp) -> dict 
 # ------------------------------------------------------------------------------ driver
 
 
+def engine_env(
+    variant: str, cache_root, strip: tuple[str, ...] = ("FUSEMLA_",), **extra: str
+) -> dict:
+    """The environment of one engine process of ``variant``: this one's without the variables
+    starting with ``strip``, the plugin off ("off") or on (any other; "fp8" / "fp8xfp8" are
+    ``FUSEMLA_VLLM_W_UK`` values), vLLM's cache under ``cache_root``, then ``extra``. Shared
+    with bench_vllm.py."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(strip)}
+    env.update(
+        FUSEMLA_VLLM="0" if variant == "off" else "1",
+        PYTHONUNBUFFERED="1",
+        VLLM_CACHE_ROOT=str(cache_root),
+        **extra,
+    )
+    if variant not in ("off", "on"):
+        env["FUSEMLA_VLLM_W_UK"] = variant
+    return env
+
+
 def pair_main(args) -> None:
     """Engines one after the other (``--order``), each a process of its own; JSON per engine."""
     out_dir = Path(args.out_dir)
@@ -658,19 +677,15 @@ def pair_main(args) -> None:
     model = write_model(out_dir / f"model_{args.shard}", args.shard)
     cache_root = Path(args.cache_root or out_dir / "vllm_cache")
     for i, variant in enumerate(args.order.split(",")):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEMLA_")}
-        if args.shard == "smoke":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.update(
-            FUSEMLA_VLLM="0" if variant == "off" else "1",
-            PYTHONUNBUFFERED="1",
-            VLLM_CACHE_ROOT=str(cache_root),
+        env = engine_env(
+            variant,
+            cache_root,
             VLLM_USE_DEEP_GEMM="0",
             # LLM.collective_rpc sends this script's functions to the engine core (cloudpickle)
             VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         )
-        if variant not in ("off", "on"):
-            env["FUSEMLA_VLLM_W_UK"] = variant
+        if args.shard == "smoke":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         tag = f"{args.shard}_{args.tag}_{i}{variant}"
         cmd = [
             sys.executable,
@@ -723,13 +738,7 @@ def latency_main(args) -> None:
     rows = []
     for b in args.batches:
         for i, variant in enumerate(args.order.split(",")):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEMLA_")}
-            env.update(
-                FUSEMLA_VLLM="0" if variant == "off" else "1",
-                PYTHONUNBUFFERED="1",
-                VLLM_CACHE_ROOT=str(cache_root),
-                VLLM_USE_DEEP_GEMM="0",
-            )
+            env = engine_env(variant, cache_root, VLLM_USE_DEEP_GEMM="0")
             tag = f"latency_{args.shard}_{args.tag}_B{b}_{i}{variant}"
             js = out_dir / f"{tag}.json"
             cmd = [

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM GPU runs on the H200 (device tool), after the offline vLLM bundle's parts have been
-# stashed there (README "Verified", ../shared/tools/vllm_gpu). From the project root:
+# stashed there (docs/results.md, "How the suite ran on the H200"; ../shared/tools/vllm_gpu). From the project root:
 #
 #   bash tests/vllm/h200.sh start [pytest args]   # unpack + install, then the GPU e2e suite in
 #                                                 # the background (FUSEMLA_VLLM_GPU_ONLY passes)
