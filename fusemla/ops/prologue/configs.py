@@ -67,6 +67,12 @@ _CUDA_TILES = {
 }
 
 
+#: ROCm: the CUDA tiles until measured there, except where they need more LDS than AMD chips
+#: have (64 KiB per workgroup on MI300 / gfx942, 160 KiB on MI350 / gfx950): the H > 32
+#: large-batch plain / MXFP4 tiles (128, 128, 8 warps, 3 stages) need 128-200 KiB there
+#: (benchmarks/targets.py compiles every variant for gfx942 / gfx950), so they take the medium ones
+_ROCM_TILES = {**_CUDA_TILES, (False, "large", None): _CUDA_TILES[(False, "medium", None)]}
+
 #: tile formats whose weights are another format's (for the fallback to its tiles)
 _WEIGHTS_OF = {"fp8xfp8": "fp8"}
 
@@ -110,10 +116,11 @@ def _base_config(
     bucket = "small" if small else "large" if large else "medium"
     key = (H <= 32, bucket)
     # a format without tiles of its own takes its weights' format's (fp8xfp8 -> fp8), then any
+    table = _ROCM_TILES if backend == "rocm" else _CUDA_TILES
     tiles = (
-        _CUDA_TILES.get((*key, w_format))
-        or _CUDA_TILES.get((*key, _WEIGHTS_OF.get(w_format, w_format)))
-        or _CUDA_TILES[(*key, None)]
+        table.get((*key, w_format))
+        or table.get((*key, _WEIGHTS_OF.get(w_format, w_format)))
+        or table[(*key, None)]
     )
     bl, bt, nw, ns, pps, rr, cr = tiles
     return dict(
@@ -147,8 +154,8 @@ def launch_config(
     the token count, so a serving loop compiles at most three variants per weight format.
     ``programs_per_sm``: BMM programs per multiprocessor when the work items outnumber them
     (persistent programs); 0 = one program per item. The CUDA values are the best of sweeps
-    on an H200; ROCm uses them until measured there.
-    """
+    on an H200; ROCm uses them until measured there, except where they would not fit an
+    AMD chip's LDS (``_ROCM_TILES``)."""
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     if small and large:

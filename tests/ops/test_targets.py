@@ -1,0 +1,361 @@
+"""The GPU-target compile run (benchmarks/targets.py) kept honest on the CPU, in seconds.
+
+CI compiles the prologue kernel for sm_90, sm_100, gfx942 and gfx950 without their hardware.
+These tests check what that run rests on: the arguments it compiles are exactly the kernel's
+parameters as the real launcher passes them (Triton's own binding, stopped before the compile);
+its variant set holds every constexpr value and every argument dtype the plan picks over a wider
+grid of inputs; its factors span the library's dtypes, formats and overrides; what it records as
+refused is refused by the library with a typed error; and one variant really compiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusemla import config, envs
+from fusemla.dtypes import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES, ROPE_DTYPES
+from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
+from fusemla.ops.prologue import configs
+from fusemla.quant import FORMATS
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("fusemla_targets", ROOT / "benchmarks/targets.py")
+targets = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(targets)
+
+TARGETS = list(targets.TARGETS)
+#: Triton's signature strings of the dtypes the launcher passes
+TRITON_TYPE = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e4m3fnuz: "*fp8e4b8",
+}
+#: what the library refuses at run time on each target, as (factor, value)
+REFUSED = {
+    "cuda": {
+        ("weights", "fp8.tensor.L.e4m3fnuz"),
+        ("weights", "fp8.head.K.e4m3fnuz"),
+        ("weights", "fp8.head.K.e4m3fnuz+act_fp8"),
+        ("kv", "e4m3fnuz/float"),
+        ("kv", "e4m3fnuz/tensor"),
+        ("q_out", "e4m3fnuz/float"),
+        ("q_out", "e4m3fnuz/tensor"),
+    },
+    "sm_90": {("weights", "mxfp4@dot_scaled")},
+    "gfx942": {("weights", "mxfp4@dot_scaled"), ("pdl", "on")},
+    "gfx950": {("pdl", "on")},
+}
+#: weight variants of the grid: every format, granularity, layout and FP8 dtype with and
+#: without FP8 activations, every MXFP4 path (the factor's own list is checked against it)
+WEIGHTS = [
+    *("plain.L", "plain.K", "mxfp4", "mxfp4@dequant", "mxfp4@dot_scaled"),
+    *(
+        f"fp8.{g}.{layout}.{fp8}{aq}"
+        for g in ("tensor", "head")
+        for layout in ("K", "L")
+        for fp8 in ("e4m3fn", "e4m3fnuz")
+        for aq in ("", "+act_fp8")
+    ),
+]
+#: launch options the launcher may pass next to the kernel's parameters
+OPTIONS = {"num_warps", "num_stages", "launch_pdl"}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return targets.compiled_kernel()
+
+
+@pytest.fixture(scope="module")
+def variant_sets():
+    return {name: targets.variant_set(targets.TARGETS[name]) for name in TARGETS}
+
+
+def _expected_refusals(name: str) -> set:
+    t = targets.TARGETS[name]
+    return REFUSED.get("cuda" if t.backend == "cuda" else "rocm", set()) | REFUSED.get(name, set())
+
+
+def _values(cap, kernel) -> set:
+    """(name, value) of every constexpr, launch option and argument dtype the call carries:
+    what decides the compiled binary."""
+    kw = cap.kwargs
+    out = {(k, kw[k]) for k in kw if k in OPTIONS or k in cap.plan.constexprs}
+    out |= {(k, h(kw)) for k, h in kernel.values.items()}  # the kernel's heuristics
+    out |= {(k, getattr(x, "dtype", x)) for k, x in kw.items() if k.startswith("p_")}
+    # the integers Triton turns into constants (a stride of 1: the weight's layout)
+    dns = set(kernel.fn.do_not_specialize)
+    out |= {(k, "== 1") for k, x in kw.items() if type(x) is int and x == 1 and k not in dns}
+    out.discard(("H", cap.plan.constexprs["H"]))  # heads: the set compiles 16 and 128
+    # and what only shows together: each tile config with each kernel variant
+    c = cap.plan.constexprs
+    tiles = tuple(c[k] for k in ("BLOCK_L", "BLOCK_T", "ROPE_ROWS", "CACHE_ROWS"))
+    variant = tuple(c[k] for k in ("W_FMT", "MX_NATIVE", "A_QUANT"))
+    out |= {("variant", variant), ("tiles", tiles + (kw["num_warps"], kw["num_stages"], variant))}
+    return out
+
+
+@pytest.mark.parametrize("name", TARGETS)
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"weights": "fp8.head.K.e4m3fn+act_fp8", "kv": "e4m3fn/tensor", "q_out": "e4m3fn/tensor"},
+        {"weights": "mxfp4", "cell": "H128.large", "act": "fp16", "index": "i32"},
+        {"weights": "plain.K", "rope_input": "applied", "batch": "mixed", "tables": "bf16"},
+    ],
+    ids=["base", "fp8", "mxfp4", "plain-kmajor"],
+)
+def test_the_compiled_signature_is_the_kernels_parameter_list(kernel, name, change):
+    """Triton binds the launcher's own arguments (no second list): every parameter, in order,
+    pointers typed by the tensors passed, the plan's constexprs as constants."""
+    target = targets.TARGETS[name]
+    cap = targets.capture(target, dict(targets.BASE, **change))
+    params = list(kernel.fn.arg_names)
+    passed = set(cap.kwargs) | set(kernel.values)
+    assert passed - OPTIONS == set(params), (passed ^ set(params)) - OPTIONS
+    got = targets.compile_for(target, cap, kernel, dry=True)
+    assert list(got["signature"]) == params
+    for k, x in cap.kwargs.items():
+        if isinstance(x, torch.Tensor):
+            assert got["signature"][k] == TRITON_TYPE[x.dtype], k
+        elif x is None:  # an optional tensor left out: a None constant, its flag False
+            assert got["signature"][k] == "constexpr" and got["constants"][k] is None, k
+    for k, value in cap.plan.constexprs.items():
+        if k in ("num_warps", "num_stages"):
+            assert got["options"][k] == value
+        else:
+            assert got["constants"][k] == value, k
+    assert got["options"].get("launch_pdl", False) is cap.plan.pdl  # HIP has no such option
+    assert got["constants"]["KV_SCALE_PTR"] is (change.get("kv") == "e4m3fn/tensor")
+
+
+@pytest.mark.parametrize("broken", ["missing", "unknown"])
+def test_an_argument_the_kernel_does_not_take_fails_the_derivation(kernel, broken):
+    target = targets.TARGETS["sm_90"]
+    cap = targets.capture(target, dict(targets.BASE))
+    if broken == "missing":
+        del cap.kwargs["s_qn_t"]
+    else:
+        cap.kwargs["s_qn_x"] = 1
+    with pytest.raises((TypeError, KeyError), match="s_qn_"):
+        targets.compile_for(target, cap, kernel, dry=True)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_the_variant_set_holds_every_value_the_plan_picks(kernel, variant_sets, name):
+    """Over a wider grid (4 head counts x 6 decode counts incl. 0 and far past the large
+    bucket x every weight variant, then every value the library lists for each other factor
+    on its own), the set of (constexpr / option / argument dtype, value) the plan picks is
+    inside the variant set's. What the library refuses is left out (tested below)."""
+    target = targets.TARGETS[name]
+    have = set().union(
+        *(_values(targets.capture(target, v), kernel) for v in variant_sets[name][0])
+    )
+    grid = []
+    for H, D in itertools.product((16, 32, 64, 128), (0, 1, 9, 255, 256, 4096)):
+        cell, batch = f"H{H}.{configs.batch_bucket(D)}", "mixed" if D == 0 else "decode"
+        grid += [(dict(targets.BASE, cell=cell, weights=w, batch=batch), D) for w in WEIGHTS]
+    for k, values in {**targets.FACTORS, **_library_values()}.items():
+        grid += [(dict(targets.BASE, **{k: value}), None) for value in values]
+    want, n = set(), 0
+    for v, D in grid:
+        try:
+            cap = targets.capture(target, v, D=D)
+        except FuseMLAError:
+            continue
+        want |= _values(cap, kernel)
+        n += 1
+    assert n > 300  # the grid really ran
+    assert want <= have, sorted(want - have, key=str)
+
+
+def _library_values() -> dict:
+    """The values the library lists (its dtypes, the override choices), named as the variant
+    set names them (a dtype without a name there is a KeyError: a failure)."""
+    name = {v: k for k, v in targets.DTYPES.items()}
+    fp8 = [f"{name[d]}/{form}" for d in FP8_DTYPES for form in ("float", "tensor")]
+    return dict(
+        act=[name[d] for d in ACT_DTYPES],
+        kv=[name[d] for d in CACHE_DTYPES if d not in FP8_DTYPES] + fp8,
+        q_out=["act", *fp8],
+        index=[name[d] for d in INDEX_DTYPES],
+        tables=[name[d] for d in ROPE_DTYPES],
+        pdl=list(dict.fromkeys(envs.VARIABLES[config.PDL_ENV].values.values())),
+    )
+
+
+def _dtypes(factor: str) -> set:
+    return {targets.DTYPES.get(v.partition("/")[0]) for v in targets.FACTORS[factor]}
+
+
+def test_the_factors_span_the_librarys_choices():
+    """A dtype, weight format, override value or tile bucket the library gains must enter the
+    variant set, or this fails."""
+    f = targets.FACTORS
+    assert _dtypes("act") == set(ACT_DTYPES)
+    assert _dtypes("kv") == set(CACHE_DTYPES)
+    assert _dtypes("q_out") == {None, *FP8_DTYPES}  # None: the activations' dtype
+    assert _dtypes("index") == set(INDEX_DTYPES)
+    assert _dtypes("tables") == set(ROPE_DTYPES)
+    assert {w.split(".")[0].partition("@")[0] for w in f["weights"]} == {"plain", *FORMATS}
+    fp8 = [w for w in f["weights"] if w.startswith("fp8.")]
+    assert {w.split(".")[1] for w in fp8} == {"tensor", "head"}
+    assert {w.split(".")[2] for w in fp8} == {"K", "L"}
+    assert {w.split(".")[3].partition("+")[0] for w in fp8} == {"e4m3fn", "e4m3fnuz"}
+    for fmt in FP8_DTYPES:  # FP8 x FP8 in each FP8 format
+        assert any(str(fmt).removeprefix("torch.float8_") + "+act_fp8" in w for w in fp8)
+    mx = {w.partition("@")[2] or "auto" for w in f["weights"] if w.startswith("mxfp4")}
+    assert mx == set(envs.VARIABLES[config.MXFP4_PATH_ENV].values.values())
+    assert set(f["pdl"]) == set(envs.VARIABLES[config.PDL_ENV].values.values())
+    buckets = {configs.batch_bucket(D) for D in range(0, 4 * configs.LARGE_BATCH)}
+    assert {c.split(".")[1] for c in f["cell"]} == buckets
+    assert all(configs.batch_bucket(D) == b for b, D in targets.BUCKET_D.items())
+    assert {c.split(".")[0] for c in f["cell"]} == {"H16", "H128"}  # one per tile-table class
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_refused_values_are_the_librarys_typed_errors(variant_sets, name):
+    variants, refused = variant_sets[name]
+    got = {
+        (k, r["variant"][k])
+        for r in refused
+        for k in targets.FACTORS
+        if r["variant"][k] != targets.BASE[k]
+    }
+    assert got == _expected_refusals(name)
+    for r in refused:
+        assert r["error"].split(":")[0] in ("FuseMLATypeError", "FuseMLAValueError"), r["error"]
+        with pytest.raises((FuseMLATypeError, FuseMLAValueError)):
+            targets.capture(targets.TARGETS[name], r["variant"])
+    for v in variants:  # none of the refused values is in the set to compile
+        assert not {(k, v[k]) for k in v} & got
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_every_pair_of_values_is_in_some_variant(variant_sets, name):
+    variants, refused = variant_sets[name]
+    allowed = {k: {v[k] for v in variants} for k in targets.FACTORS}
+    bad = {(k, r["variant"][k]) for r in refused for k in targets.FACTORS}
+    for k, values in targets.FACTORS.items():
+        assert allowed[k] == {x for x in values if (k, x) not in bad or x == targets.BASE[k]}
+    seen = {
+        (a, v[a], b, v[b]) for v in variants for a, b in itertools.combinations(targets.FACTORS, 2)
+    }
+    for a, b in itertools.combinations(targets.FACTORS, 2):
+        for x, y in itertools.product(allowed[a], allowed[b]):
+            assert (a, x, b, y) in seen, (a, x, b, y)
+    assert len({targets.variant_id(v) for v in variants}) == len(variants)
+
+
+def test_a_refused_value_raises_before_any_launch():
+    """FuseMLAError, not Triton's: e4m3fnuz asked of an NVIDIA target names the argument."""
+    target = targets.TARGETS["sm_100"]
+    with pytest.raises(FuseMLATypeError, match="kv_cache: float8_e4m3fnuz"):
+        targets.capture(target, dict(targets.BASE, kv="e4m3fnuz/tensor"))
+    with pytest.raises(FuseMLAError):
+        targets.capture(target, dict(targets.BASE, q_out="e4m3fnuz/float"))
+
+
+def test_a_kernel_needing_more_shared_memory_than_the_target_has_fails():
+    """Triton compiles it; the first launch would raise OutOfResources: the run counts it as
+    failed (exit status 1), never as compiled."""
+    gfx942 = targets.TARGETS["gfx942"]
+    assert targets.launch_problem(gfx942, {"shared": gfx942.max_shared}) is None
+    problem = targets.launch_problem(gfx942, {"shared": gfx942.max_shared + 1})
+    assert "65537 bytes of shared memory" in problem and "gfx942 has 65536" in problem
+
+
+def _committed() -> dict:
+    import triton
+
+    path = ROOT / f"benchmarks/results/targets_triton{triton.__version__}.json"
+    if not path.exists():
+        pytest.skip(f"no committed target table for Triton {triton.__version__}")
+    return json.loads(path.read_text())
+
+
+def test_the_committed_table_is_whole():
+    """Every target, every record with its numbers, refusals with the library's errors."""
+    doc = _committed()
+    recs = doc["records"]
+    assert {r["target"] for r in recs} == set(TARGETS)
+    for r in recs:
+        if r["status"] == "refused":
+            assert r["error"].split(":")[0] in ("FuseMLATypeError", "FuseMLAValueError")
+        else:
+            x = r["resources"]
+            assert x["regs"] > 0 and x["shared"] > 0 and x["spills"] >= 0, targets.variant_id(
+                r["variant"]
+            )
+            # compiled for the target itself: "sm_90a", "amdgpu9.42-amd-amdhsa-unknown-gfx942"
+            assert x["arch"] == r["target"] + "a" or x["arch"].endswith("-" + r["target"])
+    for s in doc["summary"]:
+        mine = [r for r in recs if r["target"] == s["target"]]
+        assert s["variants"] == len(mine)
+        assert s["failed"] == sum(r["status"] == "failed" for r in mine)
+
+
+def test_rocm_large_batch_tiles_fit_amd_lds():
+    """The CUDA large-batch tiles at H > 32 (128 x 128, 3 stages) needed 128-200 KiB of LDS on
+    gfx942 / gfx950 (64 / 160 KiB): ROCm takes the medium tiles there, CUDA keeps its own."""
+    from fusemla.ops.prologue import configs
+
+    for fmt in ("plain", "mxfp4"):
+        _, cuda = configs.tiles(128, 128, 64, 512, 4096, "cuda", fmt)
+        _, rocm = configs.tiles(128, 128, 64, 512, 4096, "rocm", fmt)
+        _, medium = configs.tiles(128, 128, 64, 512, 64, "rocm", fmt)
+        assert (cuda["BLOCK_T"], cuda["num_stages"]) == (128, 3)
+        assert {k: rocm[k] for k in ("BLOCK_L", "BLOCK_T", "num_warps", "num_stages")} == {
+            k: medium[k] for k in ("BLOCK_L", "BLOCK_T", "num_warps", "num_stages")
+        }
+
+
+def test_nothing_the_plan_picks_failed_in_the_committed_table():
+    failed = [r for r in _committed()["records"] if r["status"] == "failed"]
+    for r in failed:  # the plan must have moved off the tiles that could not launch
+        cap = targets.capture(targets.TARGETS[r["target"]], r["variant"])
+        keys = ("BLOCK_L", "BLOCK_T", "num_warps", "num_stages")
+        assert [cap.plan.constexprs[k] for k in keys] != [r["constexprs"][k] for k in keys]
+    assert not failed, [(r["target"], targets.variant_id(r["variant"])) for r in failed]
+
+
+def test_one_variant_compiles_for_an_amd_target(tmp_path):
+    """The real thing, once: gfx950 (about 1 s of compile). In a fresh process without the
+    interpreter (Triton's language is interpreted in this one)."""
+    from triton.backends import backends
+
+    if "amd" not in backends:
+        pytest.skip("this Triton has no AMD backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "smoke.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/targets.py"), "--smoke", "--targets", "gfx950"]
+    run = subprocess.run(
+        [*cmd, "--jobs", "1", "--out", str(out), "--cache-dir", env["TRITON_CACHE_DIR"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["status"] == "compiled" and rec["target"] == "gfx950"
+    res = rec["resources"]
+    assert res["arch"].endswith("gfx950") and res["regs"] > 0 and res["shared"] > 0
+    assert res["spills"] == 0 and res["scratch"] == 0
+    assert rec["pointers"]["p_qn"] == "*bf16" and rec["specialized"]["p_ws"] is None
