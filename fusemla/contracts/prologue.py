@@ -47,6 +47,19 @@ class PrologueOutput(NamedTuple):
 ACT_QUANTS = (None, "fp8")
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a spec source tensor's current contents cheaply (the layer's and the vLLM
+    plugin's spec caches key on it): storage, layout and its version counter (an in-place
+    reload, e.g. an RL weight update, bumps it). An inference tensor has no version counter
+    (vLLM's rotary embedding may recast its cache inside inference mode): its key is storage
+    and layout only, so replacing it is seen, writing into it in place is not."""
+    try:
+        version = t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        version = None
+    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), version)
+
+
 @dataclass(frozen=True, eq=False)
 class PrologueSpec:
     """The per-layer half of the prologue's arguments, checked once by :func:`build_spec`.
@@ -98,7 +111,7 @@ class PrologueSpec:
     @property
     def act_dtype(self) -> torch.dtype | None:
         """The activations' dtype the weight fixes (plain weights), else None (bf16 or fp16)."""
-        return self.w_uk_t.dtype if isinstance(self.w_uk_t, torch.Tensor) else None
+        return self.w_uk_t.dtype if self.weight_format == "plain" else None
 
 
 @dataclass
@@ -330,7 +343,9 @@ def build_spec(
     for name, x in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
         _last_contiguous(name, x)
 
-    act = _act or (w_uk_t.dtype if isinstance(w_uk_t, torch.Tensor) else None)
+    from fusemla.quant import weight_format, weight_parts
+
+    act = _act or (w_uk_t.dtype if weight_format(w_uk_t) == "plain" else None)
     if (
         q_out_dtype is not None
         and q_out_dtype not in FP8_DTYPES
@@ -347,8 +362,6 @@ def build_spec(
 
     if act_quant not in ACT_QUANTS:
         raise FuseMLAValueError(f"act_quant: expected None or 'fp8', got {act_quant!r}")
-    from fusemla.quant import weight_format, weight_parts
-
     w_format = weight_format(w_uk_t)
     if act_quant == "fp8" and w_format != "fp8":
         raise FuseMLAValueError(

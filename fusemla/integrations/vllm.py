@@ -54,6 +54,7 @@ import torch
 
 from fusemla import envs
 from fusemla.config import fused_decode, fused_prefill
+from fusemla.contracts.prologue import tensor_key
 from fusemla.integrations.vllm_adapters import ADAPTERS, VllmAdapter, adapter_for
 
 __all__ = ["register", "stats", "reset_stats", "SUPPORTED_VLLM", "OP_NAME", "w_uk_mode"]
@@ -224,18 +225,6 @@ def _forced_backends() -> set[str]:
     return set(envs.get(FORCE_ENV))
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    """What identifies a tensor's current contents cheaply: storage, layout and its version
-    counter (an in-place reload, e.g. an RL weight update, bumps it). An inference tensor has no
-    version counter (vLLM's rotary embedding may recast its cache inside inference mode): its
-    key is storage and layout only, so replacing it is seen, writing into it in place is not."""
-    try:
-        version = t._version
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        version = None
-    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), tuple(t.stride()), version)
-
-
 class _LayerState:
     """What the op needs of one MLA layer (a plain object: not an nn.Module, no cycles)."""
 
@@ -268,8 +257,8 @@ class _LayerState:
         w = self.ad.w_uk_t(self.attn)
         cache = self.ad.cos_sin_cache(self.rotary_emb)
         key = (
-            _tensor_key(w),
-            _tensor_key(cache),
+            tensor_key(w),
+            tensor_key(cache),
             None if fp8_query is None else (fp8_query[0], id(fp8_query[1])),
         )
         if key != self._spec_key:

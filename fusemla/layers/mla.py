@@ -109,15 +109,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (bumped by every in-place write); None for an inference tensor,
-    which has none (then only replacing it is seen, as in the vLLM plugin's spec key)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
@@ -613,7 +604,7 @@ class MLAAttention(nn.Module):
         version counter moved), or ``weight_format`` / ``is_neox`` changed. Under
         torch.compile it is built while the graph is traced (once per graph: dynamo guards the
         buffers themselves)."""
-        from fusemla.contracts.prologue import build_spec
+        from fusemla.contracts.prologue import build_spec, tensor_key
 
         if torch.compiler.is_compiling():
             return build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
@@ -621,11 +612,11 @@ class MLAAttention(nn.Module):
             sources = (self.W_UK, self.cos_cache, self.sin_cache)
         else:
             sources = (self._w_uk_t_data, self._w_uk_t_scale, self.cos_cache, self.sin_cache)
-        key = (self.weight_format, self.is_neox, *((id(t), _version(t)) for t in sources))
+        key = (self.weight_format, self.is_neox, *map(tensor_key, sources))
         cached = self._spec_cache
         if cached is None or cached[0] != key:
             spec = build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
-            # the sources are kept alive with the key, so their ids cannot be reused
+            # the sources are kept alive with the key, so their storage cannot be reused
             self._spec_cache = cached = (key, sources, spec)
         return cached[2]
 

@@ -149,7 +149,7 @@ def test_spec_key_of_tensors_with_and_without_version_counter():
     (vLLM may recast its RoPE cache inside inference mode) has none and must not raise."""
     import torch
 
-    from fusemla.integrations.vllm import _tensor_key
+    from fusemla.contracts.prologue import tensor_key as _tensor_key
 
     w = torch.zeros(2, 3)
     k0 = _tensor_key(w)
