@@ -93,6 +93,14 @@ BENCHMARKS = (
         results="h200_prologue.json, h200_rows_*, h200_sweep_*, h200_pdl_chain.json",
     ),
     Benchmark(
+        "bench_epilogue",
+        "kernel",
+        "the fused decode epilogue (W_UV into o_proj's input, bf16 or FP8 + group scales) "
+        "against cuBLAS bmm (+ vLLM's per_token_group_quant_fp8), the tile sweep",
+        module="benchmarks.bench_epilogue",
+        results="h200_epilogue_*.json",
+    ),
+    Benchmark(
         "bench_mla_layer",
         "layer",
         "MLAAttention's decode step, fused vs unfused prologue, same attention",

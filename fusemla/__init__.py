@@ -27,6 +27,11 @@ _LAZY = {
     "mla_prologue_ref": "fusemla.reference.prologue",
     "mla_decode_prologue_ref": "fusemla.reference.prologue",
     "PrologueOutput": "fusemla.contracts.prologue",
+    "mla_epilogue": "fusemla.ops.epilogue.api",
+    "mla_epilogue_step": "fusemla.ops.epilogue.api",
+    "epilogue_spec": "fusemla.ops.epilogue.api",
+    "EpilogueSpec": "fusemla.contracts.epilogue",
+    "mla_epilogue_ref": "fusemla.reference.epilogue",
     "MLAAttention": "fusemla.layers.mla",
     "MLAConfig": "fusemla.config",
     "BatchMetadata": "fusemla.metadata",
@@ -36,15 +41,18 @@ __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
     from fusemla.config import MLAConfig
+    from fusemla.contracts.epilogue import EpilogueSpec
     from fusemla.contracts.prologue import PrologueOutput, PrologueSpec
     from fusemla.layers.mla import MLAAttention
     from fusemla.metadata import BatchMetadata
+    from fusemla.ops.epilogue.api import epilogue_spec, mla_epilogue, mla_epilogue_step
     from fusemla.ops.prologue.api import (
         mla_decode_prologue,
         mla_prologue,
         mla_prologue_step,
         prologue_spec,
     )
+    from fusemla.reference.epilogue import mla_epilogue_ref
     from fusemla.reference.prologue import (
         mla_decode_prologue_ref,
         mla_prologue_ref,

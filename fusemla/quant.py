@@ -462,6 +462,102 @@ def dequantize_block_fp8(
     return w.float() * full
 
 
+def split_kv_b_proj_fp8(
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    *,
+    num_heads: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    block_size: tuple[int, int] = (128, 128),
+) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """Split a DeepSeek-V3 block-FP8 ``kv_b_proj`` into ``(W_UK_T, W_UV)`` as stored: no
+    dequantization, no requantization.
+
+    ``weight``: ``[H * (P + V), L]`` float8_e4m3fn (or e4m3fnuz); ``weight_scale_inv``:
+    ``[H * (P + V) / bn, ceil(L / bk)]`` fp32 (bf16/fp16 accepted, converted with ``.float()``)
+    for ``block_size = (bn, bk)``: ``bn`` rows along the output dim ``H * (P + V)``, ``bk``
+    columns along ``L`` (partial edge blocks along ``L`` are fine). Viewed as
+    ``[H, P + V, L]``, the two pieces are FP8 :class:`QuantizedWeight` objects with block scales
+    in their own ``[H, K-blocks, N-blocks]`` orientation:
+
+    * ``W_UK_T = [:, :P, :]``: ``data`` ``[H, P, L]`` contiguous, ``block=(bn, bk)``, ``scale``
+      ``[H, P / bn, ceil(L / bk)]``;
+    * ``W_UV = [:, P:, :].transpose(1, 2)``: ``data`` ``[H, L, V]`` stored K-major (memory
+      ``[H, V, L]``: each output column's ``L`` codes are one contiguous run),
+      ``block=(bk, bn)``, ``scale`` ``[H, ceil(L / bk), V / bn]`` contiguous.
+
+    The codes are byte-identical copies of the checkpoint's bytes (NaN patterns included) and
+    the scales are exactly its values, re-indexed; neither output shares memory with the
+    inputs. So ``dequantize()`` of each piece equals (``torch.equal``) the fp32 piece of
+    ``split_kv_b_proj(dequantize_block_fp8(weight, weight_scale_inv, block_size), ...)``.
+    Only shapes, dtypes and devices are checked: this never syncs the device.
+
+    Raises:
+        FuseMLATypeError: a non-tensor, a wrong dtype, a non-int dim, or the two tensors on
+            different devices.
+        FuseMLAValueError: a non-positive dim, a bad ``block_size``, a wrong shape, or a block
+            of ``bn`` rows that would straddle the W_UK_T / W_UV split inside a head
+            (``P % bn != 0``) or the boundary between heads (``V % bn != 0``).
+    """
+    w = _tensor("weight", weight)
+    s = _tensor("weight_scale_inv", weight_scale_inv)
+    _dtype("weight", w, FP8_DTYPES)
+    _dtype("weight_scale_inv", s, FLOAT_DTYPES)
+    H = _pos_int("num_heads", num_heads)
+    P = _pos_int("qk_nope_head_dim", qk_nope_head_dim)
+    V = _pos_int("v_head_dim", v_head_dim)
+    if (
+        not isinstance(block_size, (tuple, list))
+        or len(block_size) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)
+    ):
+        raise FuseMLAValueError(
+            f"block_size: expected two positive ints (bn, bk), got {describe(block_size)}"
+        )
+    bn, bk = block_size
+    _rank("weight", w, 2, "[num_heads * (qk_nope_head_dim + v_head_dim), L]")
+    R, L = w.shape
+    if R != H * (P + V):
+        raise FuseMLAValueError(
+            f"weight: expected shape [num_heads * (qk_nope_head_dim + v_head_dim), L] = "
+            f"[{H * (P + V)}, L], got {describe(w)}"
+        )
+    for name, dim, boundary in (
+        ("qk_nope_head_dim", P, "the W_UK_T / W_UV split inside a head"),
+        ("v_head_dim", V, "the boundary between two heads"),
+    ):
+        if dim % bn:
+            raise FuseMLAValueError(
+                f"block_size: a block of bn = {bn} rows (block_size = {tuple(block_size)}) "
+                f"would straddle {boundary}: {name} = {dim} is not a multiple of {bn}; each "
+                f"head's W_UK_T (P rows) and W_UV (V rows) must be whole blocks of rows"
+            )
+    expected = (R // bn, -(-L // bk))
+    if tuple(s.shape) != expected:
+        raise FuseMLAValueError(
+            f"weight_scale_inv: expected shape [num_heads * (qk_nope_head_dim + v_head_dim) / "
+            f"{bn}, ceil(L / {bk})] = {list(expected)} for weight [{R}, {L}] and block_size "
+            f"{tuple(block_size)}, got {describe(s)}"
+        )
+    if s.device != w.device:
+        raise FuseMLATypeError(
+            f"weight_scale_inv: expected device {w.device} (that of weight), got {describe(s)}"
+        )
+    pb, lb = P // bn, expected[1]
+    cf = torch.contiguous_format
+    codes = w.view(torch.uint8).reshape(H, P + V, L)  # bytes: copied as they are, never cast
+    s3 = s.float().reshape(H, pb + V // bn, lb)
+    uk_data = codes[:, :P, :].clone(memory_format=cf).view(w.dtype)
+    uv_data = codes[:, P:, :].clone(memory_format=cf).view(w.dtype).transpose(1, 2)
+    uk_scale = s3[:, :pb, :].clone(memory_format=cf)
+    uv_scale = s3[:, pb:, :].transpose(1, 2).clone(memory_format=cf)
+    return (
+        QuantizedWeight(uk_data, uk_scale, "fp8", block=(bn, bk)),
+        QuantizedWeight(uv_data, uv_scale, "fp8", block=(bk, bn)),
+    )
+
+
 def prepare_w_uk_t(
     kv_b_proj_weight: torch.Tensor,
     *,

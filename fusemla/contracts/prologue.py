@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from fusemla.contracts.checks import dtype as _dtype
+from fusemla.contracts.checks import last_contiguous as _last_contiguous
+from fusemla.contracts.checks import shape as _shape
+from fusemla.contracts.checks import tensor as _tensor
 from fusemla.dtypes import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES, ROPE_DTYPES
 from fusemla.errors import FuseMLATypeError, FuseMLAValueError, describe
 
@@ -190,36 +194,6 @@ class PrologueArgs:
     @property
     def outputs(self) -> PrologueOutput:
         return PrologueOutput(self.q, self.q_pe_out, self.k_pe_out)
-
-
-def _tensor(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise FuseMLATypeError(f"{name}: expected a torch.Tensor, got {describe(x)}")
-    return x
-
-
-def _shape(
-    name: str, x: torch.Tensor, expected: Sequence[int | None], what: Callable[[], str]
-) -> None:
-    """Check ``x``'s shape against ``expected`` (None: any size). ``what`` builds the expected
-    shape's text, and is called only when the check fails: formatting a size into a string
-    under ``torch.compile`` would specialize a symbolic (dynamic) batch size to a constant."""
-    ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
-    if not ok:
-        raise FuseMLAValueError(f"{name}: expected shape {what()}, got {describe(x)}")
-
-
-def _dtype(name: str, x: torch.Tensor, allowed: Sequence[torch.dtype], hint: str = "") -> None:
-    if x.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise FuseMLATypeError(f"{name}: expected dtype in ({names}){hint}, got {describe(x)}")
-
-
-def _last_contiguous(name: str, x: torch.Tensor) -> None:
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise FuseMLAValueError(
-            f"{name}: the last dimension must be contiguous (stride 1), got {describe(x)}"
-        )
 
 
 def check_scale(name: str, scale: object, needed_by: str | None) -> Scale:

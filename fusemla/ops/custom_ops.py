@@ -1,4 +1,5 @@
-"""The ``torch.library`` registration of fusemla's kernels (``fusemla::mla_prologue``) and its fake.
+"""The ``torch.library`` registration of fusemla's kernels (``fusemla::mla_prologue``,
+``fusemla::mla_epilogue``) and their fakes.
 
 The vLLM plugin registers one op of its own, ``fusemla::vllm_mla_attention``, in
 :mod:`fusemla.integrations.vllm` (it exists only where vLLM runs).
@@ -19,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from fusemla.contracts.epilogue import EpilogueArgs, EpilogueSpec
 from fusemla.contracts.prologue import PrologueArgs, PrologueSpec, split_scale
 from fusemla.quant import weight_parts
 
@@ -138,3 +140,62 @@ def _mla_prologue_fake(ins, outs, ints, floats, w_format) -> None:
 def call_mla_prologue(args: PrologueArgs) -> None:
     """Run validated arguments through the registered op (what torch.compile traces)."""
     mla_prologue_op(*pack(args))
+
+
+# ----------------------------------------------------------------------------- epilogue
+
+
+def pack_epilogue(args: EpilogueArgs) -> tuple[list, list, list, str]:
+    """``(ins, outs, ints, w_format)``: what the registered epilogue op takes: ``ins`` =
+    (attn_out, w_data, w_scale or None), ``outs`` = (out,) or (codes, scales), ``ints`` =
+    (group_size, scale_ue8m0, block rows, block columns; 0 without block scales)."""
+    spec = args.spec
+    w_data, w_scale, w_format = weight_parts(spec.w_uv)
+    block = getattr(spec.w_uv, "block", None) or (0, 0)
+    outs = [args.out] if args.scale_out is None else [args.out, args.scale_out]
+    ints = [spec.group_size, int(spec.scale_ue8m0), *block]
+    return [args.attn_out, w_data, w_scale], outs, ints, "" if w_format == "plain" else w_format
+
+
+def unpack_epilogue(ins: list, outs: list, ints: list, w_format: str) -> EpilogueArgs:
+    """The :class:`EpilogueArgs` :func:`pack_epilogue` flattened (validated: not checked again)."""
+    attn_out, w_data, w_scale = ins
+    group_size, ue8m0, bk, bn = ints
+    if w_format:
+        from fusemla.quant import QuantizedWeight
+
+        w = QuantizedWeight(w_data, w_scale, w_format, block=(bk, bn) if bk else None)
+    else:
+        w = w_data
+    out = outs[0]
+    fp8 = len(outs) == 2
+    spec = EpilogueSpec(
+        w_uv=w,
+        out_dtype=out.dtype if fp8 else None,
+        group_size=group_size,
+        scale_ue8m0=bool(ue8m0),
+    )
+    return EpilogueArgs(spec=spec, attn_out=attn_out, out=out, scale_out=outs[1] if fp8 else None)
+
+
+@torch.library.custom_op("fusemla::mla_epilogue", mutates_args=("outs",))
+def mla_epilogue_op(
+    ins: list[Optional[torch.Tensor]],  # noqa: UP045
+    outs: list[torch.Tensor],
+    ints: list[int],
+    w_format: str,
+) -> None:
+    """The fused epilogue on arguments already validated by the public function."""
+    from fusemla.ops.epilogue.launch import run
+
+    run(unpack_epilogue(ins, outs, ints, w_format))
+
+
+@mla_epilogue_op.register_fake
+def _mla_epilogue_fake(ins, outs, ints, w_format) -> None:
+    return None
+
+
+def call_mla_epilogue(args: EpilogueArgs) -> None:
+    """Run validated epilogue arguments through the registered op (what torch.compile traces)."""
+    mla_epilogue_op(*pack_epilogue(args))

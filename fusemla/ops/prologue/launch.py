@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,24 +14,11 @@ import triton
 from fusemla import config, platform
 from fusemla.contracts.prologue import PrologueArgs, check_device_values, split_scale
 from fusemla.dtypes import fp8_code
-from fusemla.errors import FuseMLATypeError, describe
+from fusemla.ops.common import backend_of, check_fp8_formats
+from fusemla.ops.common import num_sms as _num_sms
 from fusemla.ops.prologue import configs, policy
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
 from fusemla.quant import weight_parts
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def backend_of(device: torch.device, info: platform.PlatformInfo | None = None) -> str:
-    """The launch-config backend for tensors on ``device`` ("cuda", "rocm" or "interpreter");
-    ``info``: its already detected platform."""
-    be = (info or platform.detect(device)).backend
-    if be == "cpu":
-        raise ValueError("no Triton backend for CPU tensors without TRITON_INTERPRET=1")
-    return be
 
 
 def tile_format(args: PrologueArgs) -> str:
@@ -42,16 +28,9 @@ def tile_format(args: PrologueArgs) -> str:
 
 
 def _check_formats(args: PrologueArgs, backend: str) -> None:
-    """FP8 formats the backend's Triton can store: NVIDIA has no float8_e4m3fnuz (MI300's)."""
-    if backend != "cuda":
-        return
     w_data = weight_parts(args.w_uk_t)[0]
-    for name, t in (("kv_cache", args.kv_cache), ("out", args.q), ("w_uk_t.data", w_data)):
-        if t.dtype == torch.float8_e4m3fnuz:
-            raise FuseMLATypeError(
-                f"{name}: float8_e4m3fnuz is the MI300 (gfx940-942) format; Triton on NVIDIA "
-                f"GPUs cannot store it: use torch.float8_e4m3fn, got {describe(t)}"
-            )
+    named = [("kv_cache", args.kv_cache), ("out", args.q), ("w_uk_t.data", w_data)]
+    check_fp8_formats(named, backend)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from fusemla import config
 from fusemla.errors import FuseMLAValueError
-from fusemla.platform import PlatformInfo, check_info, supports_pdl
+from fusemla.ops.common import choose_pdl
+from fusemla.platform import PlatformInfo, check_info
 
 __all__ = [
     "PrologueVariant",
@@ -115,29 +116,6 @@ def choose_prologue_variant(
             )
         path = "dequant"
     return PrologueVariant("mxfp4", path)
-
-
-def choose_pdl(info: PlatformInfo) -> bool:
-    """Whether the prologue kernel is launched with programmatic dependent launch.
-
-    ``FUSEMLA_PDL`` = "auto" (default): :func:`supports_pdl`; "off": never; "on": required,
-    raising where unsupported.
-
-    Raises:
-        FuseMLAValueError: an invalid value, or "on" where PDL is not supported.
-    """
-    mode = config.pdl_mode()
-    if mode == "off":
-        return False
-    ok = supports_pdl(info)
-    if mode == "on" and not ok:
-        where = f"{info.backend} {info.arch}" if info.arch else info.backend
-        raise FuseMLAValueError(
-            f"environment variable {config.PDL_ENV}=on cannot be used on {where}: programmatic "
-            "dependent launch needs an NVIDIA GPU of compute capability >= 9.0 and Triton >= 3.4. "
-            "Unset it or set it to 'off'"
-        )
-    return ok
 
 
 def report_lines(info: PlatformInfo) -> list[str]:

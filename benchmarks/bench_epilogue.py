@@ -1,0 +1,336 @@
+"""The fused MLA decode epilogue against what engines run: cuBLAS bmm into o_proj's input
+(vLLM's ``_v_up_proj``), and bmm + ``per_token_group_quant_fp8`` for a block-FP8 o_proj.
+
+Rows: heads x batch x W_UV format (bf16; FP8 with DeepSeek's 128 x 128 block scales, read as
+the checkpoint stores them) x output (bf16; FP8 codes + per-128 group scales). Every row is
+checked on the captured graph before it is timed (outputs poisoned, replayed, compared with
+the fp32 reference: bf16 within one ulp, FP8 scales to fp32 rounding and codes within one
+step); with vLLM importable, the FP8 rows are also compared with vLLM's own quantization of
+the bf16-rounded product, and the baseline's quantization is vLLM's kernel (else a Triton
+stand-in written here, named so in the JSON). Timing: docs/method.md (eight layers of weights,
+one CUDA graph, median). ``--sweep``: the tile configs at a few batches. ``--smoke``: the CPU
+run (Triton's interpreter, small dims, every row still checked; the times mean nothing).
+
+    python -m benchmarks run bench_epilogue --out benchmarks/results/h200_epilogue.json
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.bench_core import Bench, Runner, copy_bandwidth_gbps, poison_
+from benchmarks.common import ensure_interpreter, parser, run_header, sync, verdict
+from fusemla.contracts.epilogue import prepare
+from fusemla.ops.epilogue import configs
+from fusemla.ops.epilogue.launch import launch, plan
+from fusemla.quant import split_kv_b_proj_fp8
+from fusemla.reference.epilogue import group_quant_fp8, product_f32
+from fusemla.testing import stable_seed
+from fusemla.testing.compare import fp8_ordinal
+
+FP8 = torch.float8_e4m3fn
+FULL = dict(P=128, L=512, V=128)
+SMOKE = dict(P=32, L=64, V=32)
+HEADS, BATCHES = [16, 128], [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+SWEEP_BATCHES = [1, 16, 64, 256]
+GROUP = 128
+SMOKE_GROUP = 16
+
+
+# ----------------------------------------------------------------------------- the baseline's quant
+
+
+@triton.jit
+def _group_quant_stand_in(p_x, p_q, p_s, s_x, s_s_t, s_s_g, G: tl.constexpr, NG: tl.constexpr):
+    """Per token and group FP8 quantization (vLLM's rule), one program per (token, group)."""
+    pid = tl.program_id(0)
+    t, g = pid // NG, pid % NG
+    o = tl.arange(0, G)
+    x = tl.load(p_x + t * s_x + g * G + o).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x)), 1e-10) * (1.0 / 448.0)
+    y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+    tl.store(p_q + t * s_x + g * G + o, y.to(p_q.dtype.element_ty))
+    tl.store(p_s + t * s_s_t + g * s_s_g, s)
+
+
+def _vllm_quant():
+    """vLLM's ``per_token_group_quant_fp8``, or None where vLLM is not importable."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+            per_token_group_quant_fp8,
+        )
+    except Exception:  # noqa: BLE001 - no vLLM here: the stand-in times the quant
+        return None
+    return per_token_group_quant_fp8
+
+
+def quant_fn(vllm_quant, group: int):
+    """(name, fn(x [N, C] bf16, q, s)) of the baseline's group quantization."""
+    if vllm_quant is not None:
+
+        def run(x, q, s):
+            vllm_quant(x, group, out_q=q, use_ue8m0=False)
+
+        return "vllm.per_token_group_quant_fp8", run
+
+    def run(x, q, s):
+        N, C = x.shape
+        _group_quant_stand_in[(N * (C // group),)](
+            x, q, s, x.stride(0), s.stride(0), s.stride(1), G=group, NG=C // group
+        )
+
+    return "triton stand-in (bench_epilogue._group_quant_stand_in)", run
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def layer_weights(H: int, dims: dict, device: str, seed: int):
+    """(bf16 W_UV [H, L, V] as vLLM holds it, block-FP8 W_UV as the checkpoint stores it) from
+    a random block-FP8 kv_b_proj."""
+    P, L, V = dims["P"], dims["L"], dims["V"]
+    g = torch.Generator().manual_seed(seed)
+    blk = 128 if P % 128 == 0 else 16
+    w = (torch.randn(H * (P + V), L, generator=g) * 0.5).to(FP8)
+    s = torch.rand(H * (P + V) // blk, -(-L // blk), generator=g) * 0.02 + 0.005
+    w, s = w.to(device), s.to(device)
+    _, w_uv = split_kv_b_proj_fp8(
+        w, s, num_heads=H, qk_nope_head_dim=P, v_head_dim=V, block_size=(blk, blk)
+    )
+    bf16 = w_uv.dequantize(torch.bfloat16)
+    # vLLM's layout: a transposed view of [L, H, V]
+    return bf16.transpose(0, 1).contiguous().transpose(0, 1), w_uv
+
+
+def fused_runner(x, w, out_fp8: bool, group: int, cfg=None) -> Runner:
+    args = prepare(x, w, out_dtype=FP8 if out_fp8 else None, group_size=group)
+    outs = [args.out] + ([args.scale_out] if out_fp8 else [])
+    return Runner(lambda: launch(args, cfg), outs=outs, result=args, weight=w)
+
+
+def bmm_runner(x, w_bf16, quant=None, group: int = GROUP) -> Runner:
+    N, H, L = x.shape
+    V = w_bf16.shape[2]
+    out = torch.empty(N, H * V, dtype=x.dtype, device=x.device)
+    xt = x.transpose(0, 1)
+    ot = out.view(N, H, V).transpose(0, 1)
+    if quant is None:
+        return Runner(lambda: torch.bmm(xt, w_bf16, out=ot), outs=[out], result=out)
+    q = torch.empty(N, H * V, dtype=FP8, device=x.device)
+    s = torch.empty(N, H * V // group, dtype=torch.float32, device=x.device)
+
+    def run():
+        torch.bmm(xt, w_bf16, out=ot)
+        quant(out, q, s)
+
+    return Runner(run, outs=[out, q, s], result=(q, s))
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def fused_check(runners: list[Runner], vllm_quant, key: dict):
+    """check(replay): poison, replay, compare every layer with the fp32 reference."""
+
+    def check(replay):
+        for r in runners:
+            for t in r.outs:
+                poison_(t)
+        replay()
+        sync(runners[0].outs[0].device)
+        problems = []
+        for r in runners:
+            problems += compare_fused(r.result, vllm_quant, key)
+        return problems
+
+    return check
+
+
+def compare_fused(args, vllm_quant, key: dict) -> list[str]:
+    spec = args.spec
+    y = product_f32(args)
+    if not spec.fp8_out:
+        want = y.to(args.out.dtype)
+        diff = (args.out.float() - want.float()).abs()
+        ulp = want.float().abs().clamp_min(1e-30) * 2.0**-7
+        bad = int((diff > ulp).sum())
+        return [f"{bad} bf16 outputs more than one ulp from the fp32 reference"] if bad else []
+    codes, s = group_quant_fp8(y, spec.group_size, args.out.dtype)
+    problems = []
+    srel = float(((args.scale_out - s).abs() / s).max())
+    if srel > 1e-5:
+        problems.append(f"scales {srel:.2e} relative from the reference's")
+    steps = (fp8_ordinal(args.out) - fp8_ordinal(codes)).abs()
+    if int(steps.max()) > 1 or float((steps > 0).float().mean()) > 0.01:
+        problems.append(
+            f"codes: max {int(steps.max())} steps, {float((steps > 0).float().mean()):.3%} differ"
+        )
+    key["codes_off_by_one"] = float((steps > 0).float().mean())
+    if vllm_quant is not None:  # vLLM's own quantization of the bf16-rounded product
+        vq, vs = vllm_quant(y.to(torch.bfloat16).contiguous(), spec.group_size, use_ue8m0=False)
+        vsteps = (fp8_ordinal(args.out) - fp8_ordinal(vq)).abs()
+        key["vs_vllm_max_steps"] = int(vsteps.max())
+        key["vs_vllm_share_off"] = float((vsteps > 0).float().mean())
+        key["vs_vllm_scale_rel"] = float(((args.scale_out - vs).abs() / vs).max())
+        if int(vsteps.max()) > 1:
+            problems.append(f"codes {int(vsteps.max())} steps from vLLM's quantization")
+    return problems
+
+
+def bmm_check(runners: list[Runner], xs, ws, group: int):
+    def check(replay):
+        for r in runners:
+            for t in r.outs:
+                poison_(t)
+        replay()
+        sync(xs[0].device)
+        problems = []
+        for r, x, w in zip(runners, xs, ws):
+            res = r.result[0].float() if isinstance(r.result, tuple) else r.result
+            if isinstance(r.result, tuple):
+                res = res * r.result[1].repeat_interleave(group, dim=1)
+            want = torch.bmm(x.float().transpose(0, 1), w.float()).transpose(0, 1)
+            err = float((res.float() - want.reshape(res.shape)).norm() / want.norm())
+            if not err < (0.08 if isinstance(r.result, tuple) else 0.01):
+                problems.append(f"baseline off the fp32 product by {err:.3f} (relative L2)")
+        return problems
+
+    return check
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def rows(b: Bench, a, vllm_quant) -> None:
+    qname, quant = quant_fn(vllm_quant, a.group)
+    b.header["baseline_quant"] = qname
+    dims = b.dims
+    for H in a.heads:
+        layers = [
+            layer_weights(H, dims, b.device, stable_seed("epi-w", H, i)) for i in range(b.layers)
+        ]
+        for B in a.batches:
+            g = torch.Generator().manual_seed(stable_seed("epi-x", H, B))
+            xs = [
+                torch.randn(B, H, dims["L"], generator=g).to(torch.bfloat16).to(b.device)
+                for _ in range(b.layers)
+            ]
+            for out in ("bf16", "fp8"):
+                fp8 = out == "fp8"
+                base = [
+                    bmm_runner(x, w[0], quant if fp8 else None, a.group) for x, w in zip(xs, layers)
+                ]
+                key = dict(op="epilogue", impl="cublas_bmm" + ("+quant" if fp8 else ""), H=H, B=B)
+                key.update(w_dtype="bf16", out=out)
+                row = b.measure(key, base, bmm_check(base, xs, [w[0] for w in layers], a.group))
+                base_us = row["us"] if row else None
+                for wf in ("bf16", "fp8_block"):
+                    ws = [w[0] if wf == "bf16" else w[1] for w in layers]
+                    fused = [fused_runner(x, w, fp8, a.group) for x, w in zip(xs, ws)]
+                    key = dict(op="epilogue", impl="fused", H=H, B=B, w_dtype=wf, out=out)
+                    pl = plan(fused[0].result)
+                    key.update(bucket=pl.bucket, tiles=pl.cfg)
+                    extra: dict = {}
+                    row = b.measure(key, fused, fused_check(fused, vllm_quant, extra))
+                    if row:
+                        row.update(extra)
+                        if base_us:
+                            row["vs_baseline"] = round(row["us"] / base_us, 3)
+        b.save()
+
+
+def sweep(b: Bench, a, vllm_quant) -> None:
+    dims = b.dims
+    grid = [
+        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        for bt in (16, 32, 64)
+        for bv in (32, 64, 128)
+        for bk in ((16,) if b.smoke else (64, 128))
+        for nw, ns in ((4, 3), (8, 3), (4, 2))
+    ]
+    for H in a.heads:
+        layers = [
+            layer_weights(H, dims, b.device, stable_seed("epi-w", H, i))[1] for i in range(b.layers)
+        ]
+        for B in a.sweep_batches:
+            g = torch.Generator().manual_seed(stable_seed("epi-x", H, B))
+            xs = [
+                torch.randn(B, H, dims["L"], generator=g).to(torch.bfloat16).to(b.device)
+                for _ in range(b.layers)
+            ]
+            for out in ("bf16", "fp8"):
+                fp8 = out == "fp8"
+                best = None
+                for cfg in grid:
+                    blk = layers[0].block[0]
+                    if (
+                        (fp8 and cfg["BLOCK_V"] < a.group)
+                        or cfg["BLOCK_T"] > max(16, 4 * B)
+                        or blk % cfg["BLOCK_K"]
+                    ):
+                        continue
+                    runners = [fused_runner(x, w, fp8, a.group, cfg) for x, w in zip(xs, layers)]
+                    extra: dict = {}
+                    try:
+                        us = b.time(
+                            [r.run for r in runners], fused_check(runners, vllm_quant, extra)
+                        )
+                    except Exception as e:  # noqa: BLE001 - a config that fails is recorded
+                        b.sweep_skipped.append(dict(H=H, B=B, out=out, cfg=cfg, error=str(e)[:200]))
+                        continue
+                    b.sweep.append(dict(H=H, B=B, out=out, w_dtype="fp8_block", cfg=cfg, us=us))
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+                if best:
+                    print(
+                        f"   sweep H={H} B={B} {out}: best {best[0]:.2f} us {best[1]}", flush=True
+                    )
+        b.save()
+
+
+def print_table(rows_: list) -> None:
+    print("\n| H | B | out | cuBLAS (+quant) us | fused bf16 W us | fused FP8-block W us |")
+    print("|---|---|---|---|---|---|")
+    by = {}
+    for r in rows_:
+        by.setdefault((r["H"], r["B"], r["out"]), {})[r["impl"] + r["w_dtype"]] = r["us"]
+    for (H, B, out), d in sorted(by.items()):
+        base = d.get("cublas_bmmbf16") or d.get("cublas_bmm+quantbf16")
+        print(f"| {H} | {B} | {out} | {base} | {d.get('fusedbf16')} | {d.get('fusedfp8_block')} |")
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--heads", type=int, nargs="+", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--sweep", action="store_true", help="the tile sweep at a few batches")
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=SWEEP_BATCHES)
+    ap.add_argument("--no-rows", action="store_true")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        ensure_interpreter()
+    a.heads = a.heads or ([2] if a.smoke else HEADS)
+    a.batches = a.batches or ([1, 5] if a.smoke else BATCHES)
+    a.group = SMOKE_GROUP if a.smoke else GROUP
+    if a.smoke:
+        a.sweep_batches = [3]
+    b = Bench.for_run(a.smoke, max(a.batches), out_path=a.out)
+    b.dims = dict(SMOKE if a.smoke else FULL)
+    vllm_quant = None if a.smoke else _vllm_quant()
+    b.copy_bw = copy_bandwidth_gbps(b.device)
+    b.header = run_header(a.smoke, dims=b.dims, layers=b.layers, group=a.group)
+    with torch.inference_mode():
+        if not a.no_rows:
+            rows(b, a, vllm_quant)
+        if a.sweep:
+            sweep(b, a, vllm_quant)
+    b.save()
+    print_table(b.rows)
+    print(f"tiles of the table (configs._GPU_TILES): {configs._GPU_TILES}")
+    return verdict(b.rows, b.failures, a.smoke)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

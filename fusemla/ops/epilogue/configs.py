@@ -1,0 +1,85 @@
+"""Tiles of the epilogue kernel: per backend and batch bucket, the one place that picks them.
+
+Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows and one of three
+batch buckets, never on the token count, so a serving loop compiles at most three variants per
+format. Under the Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide
+V tiles, 32-row latent chunks), so CPU tests run several V tiles, token tiles and chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import triton
+
+#: token counts up to this use the small-batch tiles (in between: medium)
+SMALL_BATCH = 16
+#: token counts of at least this use the large-batch tiles
+LARGE_BATCH = 128
+
+#: (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages) per bucket on CUDA (ROCm until measured);
+#: BLOCK_V is widened to a whole group for FP8 outputs
+_GPU_TILES = {
+    "small": (16, 64, 128, 4, 3),
+    "medium": (32, 128, 64, 4, 3),
+    "large": (64, 128, 64, 8, 3),
+}
+_INTERPRETER_TILES = (16, 32, 32, 1, 1)
+_overrides: dict = {}
+
+
+def batch_bucket(N: int) -> str:
+    """The tile bucket of ``N`` tokens: "small", "medium" or "large"."""
+    return "small" if N <= SMALL_BATCH else "large" if N >= LARGE_BATCH else "medium"
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def tiles(
+    L: int, V: int, N: int, backend: str, *, group: int | None, block_k: int | None
+) -> tuple[str, dict]:
+    """``(bucket, tiles)`` for ``N`` tokens: ``group`` the FP8 output's group (None: not FP8),
+    ``block_k`` the weight's block-scale rows along L (None: no block scales)."""
+    if backend not in ("cuda", "rocm", "interpreter"):
+        raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
+    bucket = batch_bucket(N)
+    bt, bv, bk, nw, ns = _INTERPRETER_TILES if backend == "interpreter" else _GPU_TILES[bucket]
+    bv = min(bv, triton.next_power_of_2(V))
+    if group is not None:
+        bv = max(bv, group)  # a V tile holds whole groups
+    bk = min(bk, max(16, triton.next_power_of_2(L)))
+    if block_k is not None:
+        bk = min(bk, _pow2_divisor(block_k))  # a chunk lies inside one block of rows
+    cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    cfg.update(_overrides)
+    check(cfg, group=group, block_k=block_k)
+    return bucket, cfg
+
+
+def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
+    """Raise ValueError for tiles the kernel cannot run: a V tile holds whole groups, a latent
+    chunk lies inside one block of scale rows, every tile a power of two >= 16."""
+    for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K"):
+        v = cfg[k]
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{k}: expected a power of two >= 16, got {v}")
+    if group is not None and cfg["BLOCK_V"] % group:
+        raise ValueError(f"BLOCK_V={cfg['BLOCK_V']} does not hold whole groups of {group}")
+    if block_k is not None and block_k % cfg["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} straddles the weight's {block_k}-row blocks")
+
+
+@contextlib.contextmanager
+def override(**keys: Any) -> Iterator[None]:
+    """Replace tile keys for a block of code (benchmarks' sweeps, tests)."""
+    old = dict(_overrides)
+    _overrides.update(keys)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(old)

@@ -1,0 +1,172 @@
+"""The fused MLA decode epilogue kernel: the W_UV up-projection of the latent attention output,
+written straight into o_proj's input ``[N, H*V]``, in the activations' dtype or as FP8 codes with
+one fp32 scale per token and group of ``GROUP`` columns, in one launch.
+
+Program ``pid`` of the flat grid owns one (token tile, V tile, head) item, token tile fastest
+(neighbouring programs share a weight tile in L2 at large batch):
+``acc[BLOCK_T, BLOCK_V] = attn_out[t-tile, h, :] @ W_UV[h, :, v-tile]``, a loop over the latent
+in chunks of ``BLOCK_K`` on the tensor cores, fp32 accumulation. FP8 weights are upcast to the
+activations' dtype in registers (exact); their scale multiplies the accumulator (per tensor or
+head), or each chunk's partial product per column (block scales: a chunk lies inside one block
+of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block).
+
+``OUT_FP8`` (an FP8 format code of :data:`fusemla.dtypes.FP8_FORMATS`, 0: not FP8): a V tile
+holds whole groups, so each program quantizes its own: per row and group, ``absmax =
+max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two with
+``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (IEEE division) on the e4m3 grid, ties to even;
+:mod:`fusemla.reference.epilogue` states the same rule in PyTorch.
+
+``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
+written by the kernel before, so they overlap it); the activations only after it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from fusemla.ops.triton_helpers import cast_rne, round_to_fp8_grid
+
+
+@triton.jit
+def _w_chunk(p_w, s_w_k, s_w_v, o_k, m_k, o_v, m_v, DOT_TY: tl.constexpr):
+    """The [BLOCK_K, BLOCK_V] weight chunk of one head, in the dot's operand type."""
+    b_w = tl.load(
+        p_w + o_k[:, None] * s_w_k + o_v[None, :] * s_w_v,
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    )
+    return b_w.to(DOT_TY)
+
+
+@triton.jit
+def _x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
+    """The [BLOCK_T, BLOCK_K] activation chunk of one head."""
+    b_x = tl.load(
+        p_x + o_t64[:, None] * s_x_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
+    )
+    return b_x.to(DOT_TY)
+
+
+@triton.jit
+def _block_scales(p_ws, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK: tl.constexpr, W_BN: tl.constexpr):
+    """Each column's block scale for the chunk starting at latent row ``k0``: [BLOCK_V] fp32."""
+    return tl.load(p_ws + (k0 // W_BK) * s_ws_k + (o_v // W_BN) * s_ws_v, mask=m_v, other=0.0)
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """``2**ceil(log2 s)`` for positive normal fp32 ``s``, exactly (from the bits)."""
+    bits = s.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mla_epilogue_kernel(
+    p_x,
+    s_x_t,
+    s_x_h,
+    p_w,
+    s_w_h,
+    s_w_k,
+    s_w_v,
+    p_ws,
+    s_ws_h,
+    s_ws_k,
+    s_ws_v,
+    p_o,
+    s_o_t,
+    p_os,
+    s_os_t,
+    s_os_g,
+    N,
+    L: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_FMT: tl.constexpr,
+    W_BK: tl.constexpr,
+    W_BN: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EPS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
+    scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
+    scales."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    if DOT_FP32:  # the interpreter's dot in fp32
+        DOT_TY: tl.constexpr = tl.float32
+    else:
+        DOT_TY: tl.constexpr = p_x.dtype.element_ty
+    NV: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
+    NK: tl.constexpr = (L + BLOCK_K - 1) // BLOCK_K
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(N, BLOCK_T)
+    i_t = pid % n_t
+    i_v = pid // n_t % NV
+    i_h = (pid // n_t // NV).to(tl.int64)
+
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < N
+    o_t64 = o_t.to(tl.int64)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_v = o_v < V
+    o_k = tl.arange(0, BLOCK_K)
+    p_wh = p_w + i_h * s_w_h
+    p_xh = p_x + i_h * s_x_h
+    p_wsh = p_ws + i_h * s_ws_h
+
+    # the first chunk peeled: its weights are read before waiting on the kernel before (PDL)
+    b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_k, o_k < L, o_v, m_v, DOT_TY)
+    if USE_PDL:
+        gdc_wait()
+    b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_k, o_k < L, DOT_TY)
+    acc = tl.dot(b_x, b_w)
+    if W_FMT == 2:
+        acc = acc * _block_scales(p_wsh, s_ws_k, s_ws_v, 0, o_v, m_v, W_BK, W_BN)[None, :]
+    for i_k in range(1, NK):
+        o_kk = i_k * BLOCK_K + o_k
+        m_k = o_kk < L
+        b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
+        b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
+        if W_FMT == 2:
+            b_s = _block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
+            acc += tl.dot(b_x, b_w) * b_s[None, :]
+        else:
+            acc = tl.dot(b_x, b_w, acc=acc)
+    if W_FMT == 1:
+        acc = acc * tl.load(p_wsh).to(tl.float32)
+
+    o_c = i_h * V + o_v  # the output's columns (h * V + v)
+    m_o = m_t[:, None] & m_v[None, :]
+    p_out = p_o + o_t64[:, None] * s_o_t + o_c[None, :]
+    if OUT_FP8 != 0:
+        NG: tl.constexpr = BLOCK_V // GROUP
+        g = tl.reshape(acc, (BLOCK_T, NG, GROUP))
+        absmax = tl.maximum(tl.max(tl.abs(g), axis=2), EPS)
+        s = absmax * (1.0 / FMAX)
+        if UE8M0:
+            s = _pow2_ceil(s)
+        y = tl.math.div_rn(g, tl.broadcast_to(s[:, :, None], (BLOCK_T, NG, GROUP)))
+        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+        y = tl.reshape(round_to_fp8_grid(y, OUT_FP8), (BLOCK_T, BLOCK_V))
+        tl.store(p_out, y.to(p_o.dtype.element_ty), mask=m_o)
+        o_g = (i_h * V + i_v * BLOCK_V) // GROUP + tl.arange(0, NG)
+        m_g = (i_v * BLOCK_V + tl.arange(0, NG) * GROUP) < V
+        tl.store(
+            p_os + o_t64[:, None] * s_os_t + o_g[None, :] * s_os_g,
+            s,
+            mask=m_t[:, None] & m_g[None, :],
+        )
+    else:
+        tl.store(p_out, cast_rne(acc, p_o.dtype.element_ty, FIX_BF16), mask=m_o)

@@ -1,0 +1,151 @@
+"""The epilogue launcher: validated arguments -> one kernel launch (or the CPU fallback).
+
+:func:`plan` decides everything a launch runs; :func:`run` is what both the eager path and the
+registered custom op call. Neither validates (that happened once, in
+:func:`fusemla.contracts.epilogue.prepare_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from fusemla import config, platform
+from fusemla.contracts.epilogue import EPS, EpilogueArgs, fp8_group_max
+from fusemla.dtypes import fp8_code
+from fusemla.ops.common import backend_of, check_fp8_formats, choose_pdl
+from fusemla.ops.epilogue import configs
+from fusemla.ops.epilogue.kernel import mla_epilogue_kernel
+from fusemla.quant import weight_parts
+
+#: the kernel's weight-format codes
+W_FMT = {"plain": 0, "tensor": 1, "head": 1, "block": 2}
+
+
+@dataclass(frozen=True)
+class EpiloguePlan:
+    """Everything one epilogue launch runs, decided in one place (:func:`plan`)."""
+
+    backend: str  # "cuda", "rocm" or "interpreter"
+    weight_format: str  # "plain" or "fp8"
+    granularity: str  # "plain", "tensor", "head" or "block"
+    out_format: str  # "act" (the activations' dtype) or the FP8 dtype's name
+    bucket: str
+    pdl: bool
+    cfg: dict
+    n_programs: int
+    constexprs: dict
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (self.n_programs,)
+
+
+def plan(
+    args: EpilogueArgs, info: platform.PlatformInfo | None = None, cfg: dict | None = None
+) -> EpiloguePlan:
+    """The :class:`EpiloguePlan` :func:`launch` runs for ``args`` (``info``: the device's
+    platform, detected if None; ``cfg``: tiles replacing the table's)."""
+    spec = args.spec
+    info = info or platform.detect(args.attn_out.device)
+    backend = backend_of(args.attn_out.device, info)
+    w = spec.w_uv
+    fmt = spec.weight_format
+    gran = "plain" if fmt == "plain" else w.granularity
+    block = w.block if gran == "block" else (0, 0)
+    group = spec.group_size if spec.fp8_out else None
+    bucket, tiles = configs.tiles(
+        spec.L, spec.V, args.N, backend, group=group, block_k=block[0] or None
+    )
+    if cfg is not None:
+        tiles = {**tiles, **cfg}
+        configs.check(tiles, group=group, block_k=block[0] or None)
+    pdl = choose_pdl(info)
+    interp = backend == "interpreter"
+    out_code = fp8_code(args.out.dtype) if spec.fp8_out else 0
+    constexprs = dict(
+        L=spec.L,
+        V=spec.V,
+        BLOCK_T=tiles["BLOCK_T"],
+        BLOCK_V=tiles["BLOCK_V"],
+        BLOCK_K=tiles["BLOCK_K"],
+        W_FMT=W_FMT[gran],
+        W_BK=block[0],
+        W_BN=block[1],
+        OUT_FP8=out_code,
+        FMAX=fp8_group_max(args.out.dtype) if spec.fp8_out else 0.0,
+        GROUP=group or 0,
+        UE8M0=spec.scale_ue8m0 if spec.fp8_out else False,
+        EPS=EPS,
+        DOT_FP32=interp,
+        FIX_BF16=interp,
+        USE_PDL=pdl,
+        num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
+    )
+    n_programs = (
+        triton.cdiv(args.N, tiles["BLOCK_T"]) * triton.cdiv(spec.V, tiles["BLOCK_V"]) * spec.H
+    )
+    return EpiloguePlan(
+        backend=backend,
+        weight_format=fmt,
+        granularity=gran,
+        out_format=str(args.out.dtype).replace("torch.", "") if spec.fp8_out else "act",
+        bucket=bucket,
+        pdl=pdl,
+        cfg=tiles,
+        n_programs=n_programs,
+        constexprs=constexprs,
+    )
+
+
+def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
+    """Launch the kernel on validated arguments: the pointers and strides of ``args``, and
+    everything else as :func:`plan` decides."""
+    if args.N == 0:
+        return
+    pl = plan(args, platform.detect(args.attn_out.device), cfg)
+    w_data, w_scale, _ = weight_parts(args.spec.w_uv)
+    check_fp8_formats([("out", args.out), ("w_uv.data", w_data)], pl.backend)
+    if w_scale is None:  # plain weights: never read
+        p_ws, s_ws = w_data, (0, 0, 0)
+    elif pl.granularity == "block":
+        p_ws, s_ws = w_scale, tuple(w_scale.stride())
+    else:
+        p_ws, s_ws = w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0, 0, 0)
+    x, o = args.attn_out, args.out
+    so = args.scale_out
+    p_os, s_os = (so, tuple(so.stride())) if so is not None else (o, (0, 0))
+    mla_epilogue_kernel[pl.grid](
+        p_x=x,
+        s_x_t=x.stride(0),
+        s_x_h=x.stride(1),
+        p_w=w_data,
+        s_w_h=w_data.stride(0),
+        s_w_k=w_data.stride(1),
+        s_w_v=w_data.stride(2),
+        p_ws=p_ws,
+        s_ws_h=s_ws[0],
+        s_ws_k=s_ws[1],
+        s_ws_v=s_ws[2],
+        p_o=o,
+        s_o_t=o.stride(0),
+        p_os=p_os,
+        s_os_t=s_os[0],
+        s_os_g=s_os[1],
+        N=args.N,
+        **pl.constexprs,
+        **({"launch_pdl": True} if pl.pdl else {}),
+    )
+
+
+def run(args: EpilogueArgs) -> None:
+    """Run the epilogue on validated arguments: the kernel, or for CPU tensors without the
+    interpreter the reference (same semantics)."""
+    if args.attn_out.device.type == "cpu" and not config.interpreting():
+        from fusemla.reference.epilogue import epilogue_into
+
+        epilogue_into(args)
+        return
+    launch(args)
