@@ -143,6 +143,41 @@ def plan_lines(info) -> list[str]:
                 )
             except Exception as exc:  # noqa: BLE001 - info reports, it never fails
                 out.append(f"    {name} weights, {n} decode tokens: error: {exc}")
+    return out + epilogue_plan_lines(info, dev)
+
+
+def epilogue_plan_lines(info, dev) -> list[str]:
+    """The epilogue's plan (:func:`fusemla.ops.epilogue.launch.plan`) at DeepSeek-V3 dims
+    (16 heads), for bf16 and block-FP8 W_UV, bf16 and FP8 outputs, per batch size."""
+    import torch
+
+    from fusemla import quant
+    from fusemla.contracts.epilogue import prepare
+    from fusemla.ops.epilogue import launch
+
+    H, P, L, V = 16, 128, 512, 128
+    kv_b = torch.zeros(H * (P + V), L, device=dev).to(info.fp8_dtype)
+    scales = torch.ones(H * (P + V) // 128, L // 128, device=dev)
+    _, w_block = quant.split_kv_b_proj_fp8(
+        kv_b, scales, num_heads=H, qk_nope_head_dim=P, v_head_dim=V
+    )
+    weights = {"bf16": torch.empty(H, L, V, dtype=torch.bfloat16, device=dev), "fp8-block": w_block}
+    out = [f"  epilogue plan at H={H}, L={L}, V={V} (fusemla.ops.epilogue.launch.plan):"]
+    for name, wt in weights.items():
+        for out_dtype in (None, info.fp8_dtype):
+            for n in (1, 64, 512):
+                kind = "bf16 out" if out_dtype is None else "fp8 out"
+                try:
+                    x = torch.empty(n, H, L, dtype=torch.bfloat16, device=dev)
+                    pl = launch.plan(prepare(x, wt, out_dtype=out_dtype), info)
+                    c = pl.cfg
+                    out.append(
+                        f"    {name} W_UV, {kind}, {n:>3} tokens: {pl.bucket} tiles "
+                        f"BLOCK_T={c['BLOCK_T']} BLOCK_V={c['BLOCK_V']} BLOCK_K={c['BLOCK_K']} "
+                        f"warps={c['num_warps']}, grid {pl.grid[0]}, PDL {'on' if pl.pdl else 'off'}"
+                    )
+                except Exception as exc:  # noqa: BLE001 - info reports, it never fails
+                    out.append(f"    {name} W_UV, {kind}, {n} tokens: error: {exc}")
     return out
 
 

@@ -166,6 +166,16 @@ VARIABLES: dict[str, EnvVar] = {
             read="once per vLLM process and layer",
         ),
         EnvVar(
+            "FUSEMLA_VLLM_EPILOGUE",
+            "switch",
+            False,
+            "The plugin's decode tokens run fusemla's epilogue kernel (W_UV straight into "
+            "o_proj's input, bf16) instead of vLLM's _v_up_proj bmm. Off by default until "
+            "verified in vLLM on the GPU; fusemla.MLAAttention always runs it with its fused "
+            "decode.",
+            read="when vLLM builds a layer",
+        ),
+        EnvVar(
             "FUSEMLA_VLLM_FORCE_BACKENDS",
             "list",
             (),

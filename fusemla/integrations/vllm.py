@@ -18,7 +18,10 @@ What it changes, per MLA layer (vLLM's ``MultiHeadLatentAttentionWrapper``, swap
   tokens get the absorbed W_UK BMM + RoPE + 576-wide concat + cache write, prefill tokens RoPE +
   cache write; then vLLM's own decode attention (``impl.forward_mqa`` + ``_v_up_proj``) on the
   decode tokens and vLLM's own prefill attention (``impl.forward_mha``) on the prefill tokens.
-  Each token is rotated once and written to the cache once.
+  Each token is rotated once and written to the cache once. With ``FUSEMLA_VLLM_EPILOGUE=1``
+  the decode tokens' W_UV projection is fusemla's epilogue kernel
+  (:func:`fusemla.mla_epilogue_step`, written in place into o_proj's input) instead of vLLM's
+  ``_v_up_proj`` bmm; a layer whose W_UV it cannot read keeps vLLM's, with the reason logged.
 
 ``FUSEMLA_FUSED_DECODE=0`` / ``FUSEMLA_FUSED_PREFILL=0`` hand that half back to vLLM's own code
 (vLLM's rotary embedding, cache write and decode BMM / prefill attention) inside the same op; both
@@ -64,6 +67,7 @@ OP_NAME = "fusemla::vllm_mla_attention"
 ENV_SWITCH = "FUSEMLA_VLLM"
 W_UK_ENV = "FUSEMLA_VLLM_W_UK"
 W_UK_MODES = ("as-is", "fp8", "fp8xfp8")
+EPILOGUE_ENV = "FUSEMLA_VLLM_EPILOGUE"
 
 logger = logging.getLogger("vllm.fusemla")  # replaced by vLLM's own logger in register()
 
@@ -96,6 +100,9 @@ def stats() -> dict[str, int]:
     ``layers_fused`` / ``layers_vllm``: MLA layers built with the fused op / left to vLLM;
     ``op_calls``: calls of the fused op; ``prologue_calls``: :func:`fusemla.mla_prologue` calls;
     ``decode_tokens`` / ``prefill_tokens``: tokens through fusemla's prologue per half;
+    ``epilogue_calls`` / ``epilogue_tokens``: :func:`fusemla.mla_epilogue_step` calls and their
+    decode tokens (``FUSEMLA_VLLM_EPILOGUE``); ``layers_epilogue`` / ``layers_epilogue_vllm``:
+    layers whose decode tokens run it / keep vLLM's W_UV bmm (counted at their first step);
     ``vllm_rope_tokens`` / ``vllm_cache_write_tokens``: tokens left to vLLM's RoPE / cache write
     (a half switched off); ``mixed_calls``: op calls with both decode and prefill tokens;
     ``decode_calls`` / ``prefill_calls``: op calls with any decode / prefill tokens;
@@ -229,7 +236,13 @@ class _LayerState:
     """What the op needs of one MLA layer (a plain object: not an nn.Module, no cycles)."""
 
     def __init__(
-        self, adapter: VllmAdapter, wrapper, fused_dec: bool, fused_pre: bool, w_uk: str = "as-is"
+        self,
+        adapter: VllmAdapter,
+        wrapper,
+        fused_dec: bool,
+        fused_pre: bool,
+        w_uk: str = "as-is",
+        epilogue: bool = False,
     ):
         self.ad = adapter
         self.attn = adapter.attention(wrapper)  # vLLM's MLAAttention (weights, cache, impl)
@@ -243,6 +256,9 @@ class _LayerState:
         self.name = adapter.layer_name(self.attn)
         self._spec_key = None
         self._spec = None
+        self.epilogue = epilogue and fused_dec  # FUSEMLA_VLLM_EPILOGUE (decode tokens only)
+        self._epi_key = None
+        self._epi_spec = None
         self._checked = False
         self._reason: str | None = None
 
@@ -289,6 +305,31 @@ class _LayerState:
                 _stats["spec_builds_in_capture"] += 1
         return self._spec
 
+    def epilogue_spec(self):
+        """The :class:`~fusemla.contracts.epilogue.EpilogueSpec` of this layer: vLLM's W_UV
+        (read in place when its layout allows, else one copy), bf16/fp16 output into o_proj's
+        input; rebuilt when vLLM replaces or reloads W_UV."""
+        from fusemla.contracts.epilogue import build_spec, weight_layout_readable
+
+        w = self.ad.w_uv(self.attn)
+        key = tensor_key(w)
+        if key != self._epi_key:
+            self._epi_spec = build_spec(w if weight_layout_readable(w) else w.contiguous())
+            self._epi_key = key
+            _stats["spec_builds"] += 1
+            if _capturing():
+                _stats["spec_builds_in_capture"] += 1
+        return self._epi_spec
+
+    def epilogue_reason(self, q: torch.Tensor) -> str | None:
+        """Why this layer's decode tokens keep vLLM's _v_up_proj (None: the epilogue runs)."""
+        w = self.ad.w_uv(self.attn)
+        if not isinstance(w, torch.Tensor):
+            return "W_UV is not held as a plain tensor (AITER FP8/FP4 BMM or AMX packing)"
+        if w.dim() != 3 or w.shape[:2] != (q.shape[1], self.L) or w.dtype != q.dtype:
+            return f"W_UV {tuple(w.shape)} {w.dtype} does not match q {q.dtype} [H, L, V]"
+        return None
+
     def fp8_query(self) -> tuple[torch.dtype, torch.Tensor] | None:
         """The decode query's FP8 dtype and scale, when the cache is FP8 and vLLM's decode
         backend takes an FP8 query; else None (the query stays in the activations' dtype)."""
@@ -315,6 +356,12 @@ class _LayerState:
             self.spec(self.fp8_query())
         except Exception:  # noqa: BLE001 - raised again, with its message, at the first fused step
             self._spec_key = self._spec = None
+        w_uv = self.ad.w_uv(self.attn)
+        if self.epilogue and isinstance(w_uv, torch.Tensor) and w_uv.shape[1:2] == (self.L,):
+            try:
+                self.epilogue_spec()
+            except Exception:  # noqa: BLE001 - raised again at the first fused step
+                self._epi_key = self._epi_spec = None
 
     # -- runtime support check (first step with weights and a cache)
 
@@ -350,6 +397,14 @@ class _LayerState:
             _log_once(
                 logging.WARNING, "fusemla: layer %s runs vLLM's MLA path: %s", self.name, reason
             )
+        elif self.epilogue:
+            why = self.epilogue_reason(q)
+            if why is not None:
+                self.epilogue = False
+                _log_once(
+                    logging.WARNING, "fusemla: layer %s keeps vLLM's W_UV bmm: %s", self.name, why
+                )
+            _stats["layers_epilogue" if self.epilogue else "layers_epilogue_vllm"] += 1
         return reason
 
     # -- one step
@@ -449,7 +504,14 @@ class _LayerState:
         if n > D:
             ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
         if D > 0:
-            if split.decode_fused:
+            if split.decode_fused and self.epilogue:
+                from fusemla.ops.epilogue.api import mla_epilogue_step
+
+                o = ad.decode_mqa(a, q_dec, cache, md)
+                mla_epilogue_step(self.epilogue_spec(), o.view(D, -1, L), out=output[:D])
+                _stats["epilogue_calls"] += 1
+                _stats["epilogue_tokens"] += D
+            elif split.decode_fused:
                 ad.decode_attention(a, q_dec, cache, md, output[:D])
             else:
                 # vLLM's decode path (BMM, concat, MQA, W_UV) on the decode tokens alone
@@ -477,7 +539,7 @@ def _structural_reason(w) -> str | None:
     )
 
 
-def _mark_compile_cache(dec: bool, pre: bool, w_uk: str) -> None:
+def _mark_compile_cache(dec: bool, pre: bool, w_uk: str, epilogue: bool = False) -> None:
     """Put the plugin into vLLM's config hash, so vLLM's on-disk torch.compile (AOT) cache never
     hands a graph traced with the plugin to a process without it, or the other way round.
 
@@ -491,7 +553,13 @@ def _mark_compile_cache(dec: bool, pre: bool, w_uk: str) -> None:
 
     _adapter.mark_compile_cache(
         "fusemla",
-        {"version": fusemla.__version__, "fused_decode": dec, "fused_prefill": pre, "w_uk": w_uk},
+        {
+            "version": fusemla.__version__,
+            "fused_decode": dec,
+            "fused_prefill": pre,
+            "w_uk": w_uk,
+            "epilogue": epilogue,
+        },
     )
 
 
@@ -518,21 +586,23 @@ def _make_wrapper_class(base: type) -> type:
                 )
                 return
             w_uk = w_uk_mode()
+            epilogue = envs.get(EPILOGUE_ENV)
             _stats["layers_fused"] += 1
-            state = _LayerState(_adapter, self, dec, pre, w_uk)
+            state = _LayerState(_adapter, self, dec, pre, w_uk, epilogue)
             _layers[state.name] = state
             self._fusemla_layer_name = state.name
             # logged here, not in register(): vLLM may configure its loggers after plugins load
             _log_once(
                 logging.INFO,
                 "fusemla: vLLM MLA plugin active (vLLM %s adapter, fused "
-                "decode=%s, fused prefill=%s, W_UK %s)",
+                "decode=%s, fused prefill=%s, W_UK %s, epilogue %s)",
                 _adapter.minor,
                 dec,
                 pre,
                 w_uk,
+                state.epilogue,
             )
-            _mark_compile_cache(dec, pre, w_uk)
+            _mark_compile_cache(dec, pre, w_uk, state.epilogue)
 
         def forward(self, positions, hidden_states, llama_4_scaling=None):
             if self._fusemla_reason is not None or llama_4_scaling is not None:

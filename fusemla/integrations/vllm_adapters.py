@@ -62,7 +62,7 @@ class VllmAdapter:
         "q_a_layernorm (.weight, .variance_epsilon), kv_a_layernorm, q_b_proj, q_proj, "
         "kv_a_proj_with_mqa, o_proj, g_proj, is_sparse, indexer, dcp_q_replicate",
         "rotary_emb: cos_sin_cache, is_neox_style, __call__(positions, q_pe, k_pe)",
-        "MLAAttention: layer_name, W_UK_T, kv_cache, kv_cache_dtype, head_size, _k_scale, "
+        "MLAAttention: layer_name, W_UK_T, W_UV ([H, L, V], read by the epilogue), kv_cache, kv_cache_dtype, head_size, _k_scale, "
         "_q_scale, impl, attn_backend.get_name(), prefill_backend, use_pcp, hisparse_cache, "
         "q_pad_num_heads, is_amx_bmm_enabled, is_aiter_triton_fp8_bmm_enabled, "
         "is_aiter_triton_fp4_bmm_enabled, _uses_flat_kv_cache(), prepare_kv_cache_update(md), "
@@ -192,6 +192,10 @@ class VllmAdapter:
     def w_uk_t(self, attn) -> Any:
         """vLLM's absorbed W_UK_T ([H, P, L], a permuted view) or None when it holds none."""
         return getattr(attn, "W_UK_T", None)
+
+    def w_uv(self, attn) -> Any:
+        """vLLM's W_UV ([H, L, V], a transposed view) or None when it holds none."""
+        return getattr(attn, "W_UV", None)
 
     def kv_cache(self, attn) -> torch.Tensor:
         return attn.kv_cache
@@ -326,10 +330,18 @@ class VllmAdapter:
     def prefill_attention(self, attn, q, kv_c, k_pe, cache, md, output) -> None:
         attn.impl.forward_mha(q, kv_c, k_pe, cache, md, attn._k_scale, output=output)
 
+    def decode_mqa(self, attn, q, cache, md) -> torch.Tensor:
+        """vLLM's decode MQA on the 576-wide query: the latent attention output [D, H, L]."""
+        out, _ = attn.impl.forward_mqa(q, cache, md, attn)
+        return out
+
+    def v_up_proj(self, attn, out, output) -> None:
+        """vLLM's W_UV projection of the attention output into ``output`` (o_proj's input)."""
+        attn._v_up_proj(out, out=output)
+
     def decode_attention(self, attn, q, cache, md, output) -> None:
         """vLLM's decode MQA on the 576-wide query, then its W_UV projection into ``output``."""
-        out, _ = attn.impl.forward_mqa(q, cache, md, attn)
-        attn._v_up_proj(out, out=output)
+        self.v_up_proj(attn, self.decode_mqa(attn, q, cache, md), output)
 
 
 class Vllm032(VllmAdapter):

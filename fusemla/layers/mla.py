@@ -15,8 +15,10 @@ One call runs one engine step: a decode-first batch (vLLM's order) described by 
    only cache write.
 3. Decode attention, **not fused**, plain PyTorch
    (:func:`fusemla.reference.attention.paged_decode_attention`): latent MQA over the cache
-   (scores over all ``L + R`` dims, values the first ``L``), then ``W_UV [H, L, V]``.
-   Static-shaped: a decode step can be captured in a CUDA graph and compiled with
+   (scores over all ``L + R`` dims, values the first ``L``), then ``W_UV [H, L, V]``: with
+   the fused decode on, the fused epilogue (:func:`fusemla.mla_epilogue`) writes o_proj's
+   input from the attention output (rounded to the layer's dtype, as an engine's attention
+   kernel returns it); off, a plain fp32 einsum. Static-shaped: a decode step can be captured in a CUDA graph and compiled with
    ``torch.compile(fullgraph=True)``. A Triton paged decode-attention kernel is a later piece.
 4. Prefill attention, **not fused**, plain PyTorch, one request at a time
    (:func:`fusemla.reference.attention.prefill_attention`): causal, non-absorbed; ``k_nope``
@@ -247,6 +249,7 @@ class MLAAttention(nn.Module):
         self.register_buffer("_w_uk_t_scale", None, persistent=False)
         # (key, source tensors, PrologueSpec): built by load_weights, see _spec()
         self._spec_cache: tuple | None = None
+        self._epilogue_spec_cache: tuple | None = None
         self.requires_grad_(False)  # an inference layer: the fused op has no backward
 
     # ------------------------------------------------------------------------------ weights
@@ -315,6 +318,7 @@ class MLAAttention(nn.Module):
             qw = prepare_w_uk_t(w_kv_b32, **dims, format=self.weight_format, fp8_dtype=fp8_dtype)[0]
             self._w_uk_t_data, self._w_uk_t_scale = qw.data, qw.scale
         self._spec_cache = None
+        self._epilogue_spec_cache = None
         self._spec()  # the prologue's per-layer arguments, checked once, here
 
     @classmethod
@@ -527,7 +531,15 @@ class MLAAttention(nn.Module):
                 kv_scale,
                 kv_lora_rank=L,
             )
-            parts.append(torch.einsum("dhl,hlv->dhv", o, self.W_UV.float()))  # [D, H, V]
+            if self.flags()[0]:  # fused: the epilogue kernel writes o_proj's input [D, H*V]
+                from fusemla.ops.epilogue.api import mla_epilogue_step
+
+                o = mla_epilogue_step(self._epilogue_spec(), o.to(self.dtype))
+                if pre is None:
+                    return o
+                parts.append(o.float().view(-1, H, V))
+            else:
+                parts.append(torch.einsum("dhl,hlv->dhv", o, self.W_UV.float()))  # [D, H, V]
         # Prefill requests, one at a time (host ints: a step with prefills specializes its
         # shapes). A decode-only step never reads a request's host lengths, so its batch size
         # can stay dynamic under torch.compile.
@@ -618,6 +630,21 @@ class MLAAttention(nn.Module):
             spec = build_spec(self.W_UK_T, self.cos_cache, self.sin_cache, is_neox=self.is_neox)
             # the sources are kept alive with the key, so their storage cannot be reused
             self._spec_cache = cached = (key, sources, spec)
+        return cached[2]
+
+    def _epilogue_spec(self):
+        """The layer's :class:`~fusemla.contracts.epilogue.EpilogueSpec` (W_UV, bf16 output
+        into o_proj), checked once and rebuilt only when W_UV was replaced or written in place
+        (as :meth:`_spec`)."""
+        from fusemla.contracts.epilogue import build_spec
+        from fusemla.contracts.prologue import tensor_key
+
+        if torch.compiler.is_compiling():
+            return build_spec(self.W_UV)
+        key = tensor_key(self.W_UV)
+        cached = self._epilogue_spec_cache
+        if cached is None or cached[0] != key:
+            self._epilogue_spec_cache = cached = (key, self.W_UV, build_spec(self.W_UV))
         return cached[2]
 
     def _check_positions(self, positions: object, N: int) -> None:

@@ -166,6 +166,7 @@ def _perturbed(x: torch.Tensor, eps: float) -> torch.Tensor:
 # kernel-name fragments counted by fusemla_profile (the GPU kernels of the MLA prologue paths)
 KERNEL_KEYS = {
     "fusemla_prologue": "mla_prologue_kernel",  # fusemla's fused kernel
+    "fusemla_epilogue": "mla_epilogue_kernel",  # fusemla's W_UV epilogue (FUSEMLA_VLLM_EPILOGUE)
     "vllm_cache_write": "concat_and_cache_mla",  # vLLM's KV-cache write
     "vllm_rotary": "rotary_embedding",  # vLLM's RoPE CUDA kernel (custom-op path)
 }

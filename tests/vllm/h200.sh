@@ -10,6 +10,9 @@
 #                                     # benchmark's jobs one after the other, in the background,
 #                                     # from their own copy of the checkout
 #   bash tests/vllm/h200.sh depth-wait N [NAME]   # wait up to N s for job NAME; its JSON + logs to $OUT
+#   bash tests/vllm/h200.sh kernels   # the kernel + layer suite (--device=cuda, the machine's own
+#                                     # torch), in the background from a copy of the checkout
+#   bash tests/vllm/h200.sh kernels-wait N   # wait up to N s for it; its log to $OUT
 #
 # VGPU=<folder> (default .vgpu) picks the bundle (e.g. .vgpu033 for vLLM 0.33, whose gpu_env.sh
 # unpacks elsewhere, so two bundles live side by side on one machine) and VTAG (default vllm032)
@@ -95,5 +98,21 @@ case ${1:-} in
     ls -la /tmp/depth_out
     tar -C /tmp/depth_out -czf "$OUTDIR/depth_$commit.tgz" --exclude=vllm_cache --exclude='model_*' --exclude='./*/model' . 2>/dev/null
     nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
-  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | depth-wait [seconds]"; exit 2 ;;
+  kernels)
+    rm -rf /tmp/kern_src /tmp/kern_run && mkdir -p /tmp/kern_src /tmp/kern_run
+    tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C /tmp/kern_src
+    echo "$commit" > /tmp/kern_run/commit
+    setsid nohup bash -c "cd /tmp/kern_src && FUSEMLA_COMMIT=$commit python3 -m pytest -q -rs \
+      --device=cuda -p no:cacheprovider --ignore=tests/ops/test_prologue_properties.py \
+      --ignore=tests/vllm --ignore=tests/ops/test_targets.py tests > /tmp/kern_run/tests.log 2>&1
+      echo \$? > /tmp/kern_run/done" > /dev/null 2>&1 < /dev/null &
+    echo "[h200] kernel suite started at commit $commit" ;;
+  kernels-wait)
+    limit=${2:-500}
+    t0=$SECONDS
+    while [[ ! -f /tmp/kern_run/done ]] && (( SECONDS - t0 < limit )); do sleep 5; done
+    tail -c 3000 /tmp/kern_run/tests.log
+    [[ -f /tmp/kern_run/done ]] && echo "[h200] kernel suite exit status $(cat /tmp/kern_run/done)" || echo "[h200] kernel suite still running"
+    cp /tmp/kern_run/tests.log "$OUTDIR/h200_gpu_tests_$commit.log" 2>/dev/null ;;
+  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds]"; exit 2 ;;
 esac

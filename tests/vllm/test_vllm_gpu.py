@@ -56,6 +56,9 @@ FP8_BACKEND = "TRITON_MLA"
 # FUSEMLA_VLLM_W_UK: FP8 W_UK_T (bf16 activations) and FP8 x FP8, against the bf16 runs
 WUK_MODELS = ("v3-h16", "v3-h128")
 WUK_MODES = ("fp8", "fp8xfp8")
+# FUSEMLA_VLLM_EPILOGUE=1: fusemla's W_UV epilogue on the decode tokens, against the bf16 runs
+EPI_MODELS = ("v3-h16", "v3-h128")
+EPI_ENV = "FUSEMLA_VLLM_EPILOGUE"
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
@@ -94,7 +97,7 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
-    wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
+    epi, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
 
     def want(g):
         return groups is None or g in groups
@@ -129,6 +132,14 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
             _spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
             _spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"),
         ]
+    if want("epi"):  # FUSEMLA_VLLM_EPILOGUE=1 against vLLM's bf16 path
+        for m in EPI_MODELS:
+            for mode in ("eager", "full_and_piecewise"):
+                specs.append(_spec(m, f"epi-on-{mode}", True, mode, env={EPI_ENV: "1"}))
+                if not want("main"):
+                    specs.append(_spec(m, f"off-{mode}", False, mode))
+            if not want("main"):
+                specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
     if want("wuk"):
         for m in WUK_MODELS:
             for mode in ("eager", "full_and_piecewise"):
@@ -448,6 +459,32 @@ def test_fp8_w_uk(gpu_runs, model, mode, w_uk):
     for k in ("out", "logprob_rel"):
         if dev[k] is not None and bug[k] is not None:
             assert dev[k] < bug[k], (k, dev, bug)
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("model", EPI_MODELS)
+def test_epilogue_matches_vllm(gpu_runs, model, mode):
+    """FUSEMLA_VLLM_EPILOGUE=1: the decode tokens' W_UV projection is fusemla's epilogue
+    kernel (written into o_proj's input) in every layer at every decode step, and the numbers
+    stay within vLLM's own bf16 noise floor."""
+    _need("epi")
+    runner, report = gpu_runs
+    off = runner.run(_spec(model, f"off-{mode}", False, mode))
+    on = runner.run(_spec(model, f"epi-on-{mode}", True, mode, env={EPI_ENV: "1"}))
+    floor = _floor(runner, model)
+    dev = deviation(on, off)
+    _record(report, f"{model}/epilogue/{mode}", dev, floor, {"kernels_on": on["kernels"]})
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == []
+    check_fused(on, off)
+    s = stats(on)
+    layers = on["backends"][0]["layers"]
+    assert s["layers_epilogue"] == layers and not s.get("layers_epilogue_vllm"), s
+    assert s["epilogue_calls"] == s["decode_calls"] > 0, s
+    if not DRYRUN:
+        k = _kernels(on)
+        assert 0 < k["fusemla_epilogue"] <= k["fusemla_prologue"], k
+        assert _kernels(off)["fusemla_epilogue"] == 0
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)

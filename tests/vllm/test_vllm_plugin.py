@@ -207,6 +207,20 @@ def test_fp8_w_uk_option(runner, w_uk):
     assert d["out"] < bug["out"] / 2, (d, bug)
 
 
+def test_epilogue_option(runner):
+    """FUSEMLA_VLLM_EPILOGUE=1: every layer's decode tokens get their W_UV projection from
+    fusemla's epilogue kernel (in place into o_proj's input) instead of vLLM's bmm; the prologue
+    stays fused everywhere and the numbers stay within bf16 noise of vLLM's own path."""
+    off = runner.run(base("off", False, interpret=False))
+    on = runner.run(base("on-epilogue", True, env={"FUSEMLA_VLLM_EPILOGUE": "1"}))
+    check_fused_everywhere(on, off)
+    assert problems(on, off) == []
+    s = stats(on)
+    assert s["layers_epilogue"] == n_layers(on) and not s.get("layers_epilogue_vllm"), s
+    assert s["epilogue_calls"] == s["decode_calls"] > 0, s
+    assert s["epilogue_tokens"] == s["decode_tokens"] > 0, s
+
+
 # ---------------------------------------------------------------------- compiled (inductor)
 
 
