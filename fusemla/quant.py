@@ -283,10 +283,14 @@ def quantize_fp8_weight(
     dtype: torch.dtype = torch.float8_e4m3fn,
     per_head: bool = False,
     k_major: bool = True,
+    block: tuple[int, int] | None = None,
 ) -> QuantizedWeight:
-    """Symmetric FP8 quantization of ``w_uk_t`` ``[H, P, L]`` (bf16, fp16 or fp32).
+    """Symmetric FP8 quantization of ``w_uk_t`` ``[H, P, L]`` (or any ``[H, K, N]`` weight,
+    e.g. W_UV; bf16, fp16 or fp32).
 
     ``scale = amax / fmax`` over the tensor (``[1]``) or each head (``[H]``, ``per_head=True``),
+    or each ``block = (bk, bn)`` of each head (``[H, ceil(K / bk), ceil(N / bn)]``, edge blocks
+    partial; DeepSeek's checkpoints use 128 x 128),
     with ``fmax`` 448 (e4m3fn) or 240 (e4m3fnuz); an all-zero tensor/head gets scale 1.0 and a
     scale below fp32's smallest normal is raised to it. ``data = saturate(w.float() / scale)``
     (IEEE fp32 division) cast to ``dtype``, rounding to nearest even; so each amax maps to fmax.
@@ -305,15 +309,35 @@ def quantize_fp8_weight(
     for name, flag in (("per_head", per_head), ("k_major", k_major)):
         if not isinstance(flag, bool):
             raise FuseMLATypeError(f"{name}: expected a bool, got {describe(flag)}")
+    if block is not None:
+        if (
+            not isinstance(block, tuple)
+            or len(block) != 2
+            or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block)
+        ):
+            raise FuseMLAValueError(f"block: expected a pair of positive ints, got {block!r}")
+        if per_head:
+            raise FuseMLAValueError("block: block scales and per_head=True exclude each other")
     _finite("w_uk_t", w)
     w32 = w.float()
     fmax = float(torch.finfo(dtype).max)
-    amax = w32.abs().amax(dim=(1, 2)) if per_head else w32.abs().amax().view(1)
     tiny = torch.finfo(torch.float32).tiny
-    scale = torch.where(amax > 0, (amax / fmax).clamp_min(tiny), torch.ones_like(amax))
-    q = (w32 / scale.view(-1, 1, 1)).clamp(-fmax, fmax).to(dtype)
+    if block is not None:
+        H, K, N = w32.shape
+        bk, bn = block
+        kb, nb = -(-K // bk), -(-N // bn)
+        padded = w32.new_zeros(H, kb * bk, nb * bn)
+        padded[:, :K, :N] = w32
+        amax = padded.abs().view(H, kb, bk, nb, bn).amax(dim=(2, 4))  # [H, kb, nb]
+        scale = torch.where(amax > 0, (amax / fmax).clamp_min(tiny), torch.ones_like(amax))
+        full = scale.repeat_interleave(bk, dim=1).repeat_interleave(bn, dim=2)[:, :K, :N]
+        q = (w32 / full).clamp(-fmax, fmax).to(dtype)
+    else:
+        amax = w32.abs().amax(dim=(1, 2)) if per_head else w32.abs().amax().view(1)
+        scale = torch.where(amax > 0, (amax / fmax).clamp_min(tiny), torch.ones_like(amax))
+        q = (w32 / scale.view(-1, 1, 1)).clamp(-fmax, fmax).to(dtype)
     q = q.transpose(1, 2).contiguous().transpose(1, 2) if k_major else q.contiguous()
-    return QuantizedWeight(q, scale.contiguous(), "fp8")
+    return QuantizedWeight(q, scale.contiguous(), "fp8", block=block)
 
 
 # ----------------------------------------------------------------------------- mxfp4

@@ -240,10 +240,11 @@ def _weight(w_uk_t: object, dims: tuple[int, int, int] | None, act: torch.dtype 
                 f"w_uk_t: expected a quantized weight of shape [H={H}, P={P}, L={L}], got "
                 f"format {w_uk_t.format!r} with shape {tuple(w_uk_t.shape)}"
             )
-        if w_uk_t.block is not None:
+        if w_uk_t.block is not None and w_uk_t.block[0] < w_uk_t.K:
             raise FuseMLAValueError(
-                f"w_uk_t: FP8 block scales (block={w_uk_t.block}) are not read by the prologue "
-                "kernel yet: quantize per tensor or per head (fusemla.quant.quantize_fp8_weight)"
+                f"w_uk_t: FP8 block scales of {w_uk_t.block[0]} rows cannot cover P="
+                f"{w_uk_t.K}: the prologue reads block scales whose rows span all of P "
+                "(DeepSeek's 128 x 128 blocks at P = 128; fusemla.quant.split_kv_b_proj_fp8)"
             )
         return w_uk_t
     w_uk_t = _tensor("w_uk_t", w_uk_t)

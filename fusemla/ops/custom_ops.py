@@ -69,11 +69,13 @@ def pack(args: PrologueArgs) -> tuple[list, list, list, list, str]:
         q_t,
     ]
     outs = [args.kv_cache, args.q, args.q_pe_out, args.k_pe_out]
+    block = getattr(w, "block", None) or (0, 0)
     ints = [
         args.num_decode_tokens,
         int(spec.is_neox),
         int(args.apply_rope),
         _ACT_QUANT_CODES[spec.act_quant],
+        *block,
     ]
     return ins, outs, ints, [kv_v, q_v], w_format
 
@@ -82,12 +84,12 @@ def unpack(ins: list, outs: list, ints: list, floats: list, w_format: str) -> Pr
     """The :class:`PrologueArgs` :func:`pack` flattened (already validated: not checked again)."""
     i = dict(zip(_INS, ins))
     o = dict(zip(_OUTS, outs))
-    num_decode_tokens, is_neox, apply_rope, act_quant = ints
+    num_decode_tokens, is_neox, apply_rope, act_quant, bk, bn = ints
     kv_v, q_v = floats
     if w_format:
         from fusemla.quant import QuantizedWeight
 
-        w = QuantizedWeight(i["w_data"], i["w_scale"], w_format)
+        w = QuantizedWeight(i["w_data"], i["w_scale"], w_format, block=(bk, bn) if bk else None)
     else:
         w = i["w_data"]
     spec = PrologueSpec(

@@ -59,7 +59,8 @@ def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
 
     Plain weights: ``torch.bmm`` in the activations' dtype (what engines run), or in fp32 when
     ``fp32`` (the result is rounded again later, e.g. to FP8). FP8 weights: ``data * scale``
-    with fp32 products and the activations as they are, or with ``act_quant="fp8"`` the FP8
+    (a per-tensor, per-head or per-column-block scale) with fp32 products and the activations
+    as they are, or with ``act_quant="fp8"`` the FP8
     activations of :func:`quantize_activations_fp8` times their scale. MXFP4: the dequantized
     weight. Returns ``[D, H, L]`` (decode tokens only), fp32 unless it is the plain
     activations'-dtype product.
@@ -76,7 +77,10 @@ def absorbed_bmm(args: PrologueArgs, fp32: bool) -> torch.Tensor:
         out = torch.bmm(codes.float(), w.data.float()) * a_scale  # [H, D, L]
     else:
         out = torch.bmm(qn.float(), w.data.float())  # [H, D, L]
-    w_scale = w.scale.float().reshape(-1, 1, 1)  # [1] or [H] -> broadcast over heads
+    if w.block is not None:  # block rows span P: one scale per column block, per head
+        w_scale = w.scale.float().repeat_interleave(w.block[1], dim=2)[:, :, : w.N]  # [H, 1, L]
+    else:
+        w_scale = w.scale.float().reshape(-1, 1, 1)  # [1] or [H] -> broadcast over heads
     return (out * w_scale).transpose(0, 1)
 
 

@@ -556,12 +556,19 @@ def test_info_prints_the_plan():
     row per weight format and decode batch, with the bucket the tile tables give that batch."""
     from fusemla.ops.prologue import configs
 
+    from fusemla.ops.epilogue import configs as epi_configs
+
     rows = cli.plan_lines(platform_from("interpreter"))
     assert rows[0].startswith("  launch plan at H=16")
-    body = rows[1:]
-    assert len(body) == 6 and not any("error" in r for r in body), rows
+    body, epi = rows[1:7], rows[7:]
+    assert not any("error" in r for r in rows), rows
     for r, n in zip(body, (1, 64, 512, 1, 64, 512)):
         assert f"{n:>3} decode tokens: {configs.batch_bucket(n)} tiles" in r, r
+    # the epilogue's plan: 2 weight formats x 2 outputs x 3 batches, its own buckets
+    assert epi[0].startswith("  epilogue plan at H=16") and len(epi) == 13, epi
+    for r, n in zip(epi[1:], (1, 64, 512) * 4):
+        assert f"{n:>3} tokens: {epi_configs.batch_bucket(n)} tiles" in r, r
+    assert all("fp8 out" in r and "BLOCK_V=128" in r for r in epi[1:] if "fp8 out" in r)
     assert cli.plan_lines(platform_from("cpu")) == [
         "  launch plan: none (no Triton backend here: the PyTorch fallback runs)"
     ]

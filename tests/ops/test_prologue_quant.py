@@ -44,11 +44,14 @@ def _quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
         return quantize_fp8_weight(w, dtype=FP8)
     if fmt == "fp8-head":
         return quantize_fp8_weight(w, dtype=FP8, per_head=True)
+    if fmt == "fp8-block":  # rows cover P; columns cut L into several blocks per BLOCK_L tile
+        P, L = w.shape[1:]
+        return quantize_fp8_weight(w, dtype=FP8, block=(P, 128 if P >= 128 else 16))
     return quantize_mxfp4_weight(w)
 
 
 @pytest.mark.parametrize("B,D", [(1, 1), (3, 3), (40, 40), (40, 23)], ids=lambda x: str(x))
-@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head"])
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head", "fp8-block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fp8_weights(device, dtype, fmt, B, D):
     inp = make_inputs(
@@ -198,7 +201,7 @@ def test_quantized_weight_and_fp8_query_under_torch_compile(device):
 
 
 @pytest.mark.parametrize("B,D", [(1, 1), (3, 3), (40, 23)], ids=lambda x: str(x))
-@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head"])
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-head", "fp8-block"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fp8_activations(device, dtype, fmt, B, D):
     """act_quant="fp8": the kernel's FP8 x FP8 BMM against a reference that quantizes the

@@ -254,22 +254,24 @@ def test_rope_tables_as_views_of_the_engine_cache(device, is_neox):
     assert torch.allclose(b.k_pe.float(), ref.k_pe.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_block_scaled_weights_refused_before_anything_runs():
-    """The weight type carries DeepSeek's 128x128 block scales (for the epilogue's W_UV and a
-    checkpoint read as stored); the prologue kernel does not read them yet and says so, in the
-    spec and in the one-call API, with the cache and outputs untouched."""
+def test_block_scales_that_do_not_cover_p_refused_before_anything_runs():
+    """The prologue reads FP8 block scales whose rows span all of P (DeepSeek's 128 x 128 at
+    P = 128); blocks of fewer rows are refused, in the spec and in the one-call API, with the
+    cache and outputs untouched."""
     from fusemla.quant import QuantizedWeight
 
     H, P, L, R = 2, 128, 256, 64
     codes = torch.randn(H, P, L).clamp(-4, 4).to(torch.float8_e4m3fn)
-    qw = QuantizedWeight(codes, torch.ones(H, 1, 2), "fp8", block=(128, 128))
+    qw = QuantizedWeight(codes, torch.ones(H, 2, 2), "fp8", block=(64, 128))
     cos = torch.randn(64, R // 2)
     with pytest.raises(
-        FuseMLAValueError, match=r"^w_uk_t: FP8 block scales \(block=\(128, 128\)\)"
+        FuseMLAValueError, match=r"^w_uk_t: FP8 block scales of 64 rows cannot cover P=128"
     ):
         fusemla.prologue_spec(qw, cos, cos.clone())
     inp = make_inputs(3, H=H, P=P, R=R, L=L)
     before = inp.kv_cache.clone()
-    with pytest.raises(FuseMLAValueError, match="^w_uk_t: FP8 block scales"):
+    with pytest.raises(FuseMLAValueError, match="^w_uk_t: FP8 block scales of 64 rows"):
         inp.run(fusemla.mla_prologue, w_uk_t=qw)
     assert torch.equal(inp.kv_cache.view(torch.uint8), before.view(torch.uint8))
+    ok = QuantizedWeight(codes, torch.ones(H, 1, 2), "fp8", block=(128, 128))
+    assert fusemla.prologue_spec(ok, cos, cos.clone()).w_uk_t is ok  # one block row: read

@@ -39,22 +39,62 @@ def _pow2_divisor(n: int) -> int:
     return n & -n
 
 
+#: shared memory (bytes) the pipelined operand buffers may take per program: within an H200's
+#: 227 KiB, and an MI300's 64 KiB LDS (gfx950: 160 KiB)
+_SMEM_BUDGET = {"cuda": 160 * 1024, "rocm": 60 * 1024}
+
+
+#: accumulator elements per program a tile may hold (64 x 128: 32 fp32 registers per thread at
+#: 4 warps); wider V tiles (large groups) take fewer tokens
+_MAX_ACC = 64 * 128
+
+
+def smem_bytes(cfg: dict, w_bytes: int, fp8_out: bool = False) -> int:
+    """The shared memory of a config: ``num_stages - 1`` buffered pairs of an activation
+    chunk [BLOCK_T, BLOCK_K] (2 bytes) and a weight chunk [BLOCK_K, BLOCK_V], and for an FP8
+    output the fp32 accumulator's layout change for the per-group reduction."""
+    bt, bv, bk = cfg["BLOCK_T"], cfg["BLOCK_V"], cfg["BLOCK_K"]
+    buffers = max(1, cfg["num_stages"] - 1) * (bt * bk * 2 + bk * bv * w_bytes)
+    return buffers + (bt * bv * 4 if fp8_out else 0)
+
+
 def tiles(
-    L: int, V: int, N: int, backend: str, *, group: int | None, block_k: int | None
+    L: int,
+    V: int,
+    N: int,
+    backend: str,
+    *,
+    group: int | None,
+    block_k: int | None,
+    w_bytes: int = 2,
 ) -> tuple[str, dict]:
     """``(bucket, tiles)`` for ``N`` tokens: ``group`` the FP8 output's group (None: not FP8),
-    ``block_k`` the weight's block-scale rows along L (None: no block scales)."""
+    ``block_k`` the weight's block-scale rows along L (None: no block scales), ``w_bytes`` the
+    weight's bytes per element. A wide V tile (a large group) takes fewer tokens, then shorter
+    latent chunks, then fewer pipeline stages, until it fits the backend's shared memory."""
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     bucket = batch_bucket(N)
     bt, bv, bk, nw, ns = _INTERPRETER_TILES if backend == "interpreter" else _GPU_TILES[bucket]
-    bv = min(bv, triton.next_power_of_2(V))
+    bv = max(16, min(bv, triton.next_power_of_2(V)))
     if group is not None:
         bv = max(bv, group)  # a V tile holds whole groups
     bk = min(bk, max(16, triton.next_power_of_2(L)))
     if block_k is not None:
         bk = min(bk, _pow2_divisor(block_k))  # a chunk lies inside one block of rows
+    while bt * bv > _MAX_ACC and bt > 16:
+        bt //= 2
     cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    budget = _SMEM_BUDGET.get(backend)
+    while budget is not None and smem_bytes(cfg, w_bytes, group is not None) > budget:
+        if cfg["BLOCK_K"] > 32:
+            cfg["BLOCK_K"] //= 2
+        elif cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_K"] > 16:
+            cfg["BLOCK_K"] //= 2
+        else:
+            break
     cfg.update(_overrides)
     check(cfg, group=group, block_k=block_k)
     return bucket, cfg

@@ -55,8 +55,9 @@ def plan(
     gran = "plain" if fmt == "plain" else w.granularity
     block = w.block if gran == "block" else (0, 0)
     group = spec.group_size if spec.fp8_out else None
+    w_bytes = weight_parts(w)[0].element_size()
     bucket, tiles = configs.tiles(
-        spec.L, spec.V, args.N, backend, group=group, block_k=block[0] or None
+        spec.L, spec.V, args.N, backend, group=group, block_k=block[0] or None, w_bytes=w_bytes
     )
     if cfg is not None:
         tiles = {**tiles, **cfg}

@@ -132,6 +132,7 @@ def _bmm_weights(
     W_FMT: tl.constexpr,
     MX_NATIVE: tl.constexpr,
     DOT_TY: tl.constexpr,
+    W_BN: tl.constexpr,
 ):
     """Head ``i_h``'s weights for L-tile ``i_l``, ready for tl.dot: ``(b_w, b_w2, w_scale)``.
 
@@ -140,7 +141,9 @@ def _bmm_weights(
     tensor cores' operand layout and the fastest at decode batch sizes).
 
     W_FMT 0: ``b_w`` = the [P, BLOCK_L] slice. 1 (FP8): the slice upcast to DOT_TY (exact),
-    ``w_scale`` its per-tensor or per-head scale. 2 (MXFP4), dequantized: ``b_w`` / ``b_w2`` =
+    ``w_scale`` its per-tensor or per-head scale; 3 (FP8, block scales whose rows cover all of
+    P): ``w_scale`` the [BLOCK_L] scales of each column's ``W_BN``-wide block. 2 (MXFP4),
+    dequantized: ``b_w`` / ``b_w2`` =
     the even / odd rows of the slice, [P/2, BLOCK_L] each, one nibble of each packed byte (every
     byte read once); native (MX_NATIVE): the packed [P/2, BLOCK_L] codes and their
     [BLOCK_L, P/32] e8m0 scales for tl.dot_scaled.
@@ -180,6 +183,8 @@ def _bmm_weights(
         ).to(DOT_TY)
         if W_FMT == 1:
             w_scale = tl.load(p_ws + h64 * s_ws_h).to(tl.float32)
+        elif W_FMT == 3:
+            w_scale = tl.load(p_ws + h64 * s_ws_h + o_l // W_BN, mask=m_l, other=0.0)
         b_w2 = b_w
     return b_w, b_w2, w_scale
 
@@ -251,6 +256,8 @@ def _bmm_tile(
             b_o = tl.dot(b_a.to(DOT_TY), b_w)
     if W_FMT == 1:
         b_o = b_o * w_scale
+    elif W_FMT == 3:
+        b_o = b_o * w_scale[None, :]
     b_o = quantize_value(b_o, q_scale, Q_FP8)
     p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
     tl.store(
@@ -284,6 +291,7 @@ def _bmm_program(
     BLOCK_L: tl.constexpr,
     BLOCK_T: tl.constexpr,
     W_FMT: tl.constexpr,
+    W_BN: tl.constexpr,
     MX_NATIVE: tl.constexpr,
     Q_FP8: tl.constexpr,
     Q_SCALE_PTR: tl.constexpr,
@@ -335,6 +343,7 @@ def _bmm_program(
         W_FMT=W_FMT,
         MX_NATIVE=MX_NATIVE,
         DOT_TY=DOT_TY,
+        W_BN=W_BN,
     )
     if USE_PDL:
         # weights are never written by the kernel before us: they were loaded while it ran;
@@ -390,6 +399,7 @@ def _bmm_program(
             W_FMT=W_FMT,
             MX_NATIVE=MX_NATIVE,
             DOT_TY=DOT_TY,
+            W_BN=W_BN,
         )
         _bmm_tile(
             i_h=i_h,
@@ -602,6 +612,7 @@ def mla_prologue_kernel(
     KV_FP8: tl.constexpr,
     Q_FP8: tl.constexpr,
     W_FMT: tl.constexpr,
+    W_BN: tl.constexpr,
     MX_NATIVE: tl.constexpr,
     A_FMT: tl.constexpr,
     A_QUANT: tl.constexpr,
@@ -651,6 +662,7 @@ def mla_prologue_kernel(
             BLOCK_L=BLOCK_L,
             BLOCK_T=BLOCK_T,
             W_FMT=W_FMT,
+            W_BN=W_BN,
             MX_NATIVE=MX_NATIVE,
             Q_FP8=Q_FP8,
             Q_SCALE_PTR=Q_SCALE_PTR,

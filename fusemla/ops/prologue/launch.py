@@ -79,7 +79,12 @@ def plan(
     else:
         bucket = configs.batch_bucket(D)
     variant = policy.choose_prologue_variant(
-        info, weight_format=fmt, P=P, L=L, block_l=cfg["BLOCK_L"]
+        info,
+        weight_format=fmt,
+        P=P,
+        L=L,
+        block_l=cfg["BLOCK_L"],
+        block=getattr(args.w_uk_t, "block", None),
     )
     w_fmt, mx_native = variant.kernel_flags
     pdl = policy.choose_pdl(info)
@@ -102,6 +107,7 @@ def plan(
         KV_FP8=fp8_code(args.kv_cache.dtype),
         Q_FP8=fp8_code(args.q.dtype),
         W_FMT=w_fmt,
+        W_BN=variant.block_n or 0,
         MX_NATIVE=mx_native,
         A_FMT="bf16" if args.q_nope.dtype == torch.bfloat16 else "fp16",
         A_QUANT=fp8_code(w_dtype) if args.act_quant == "fp8" else 0,

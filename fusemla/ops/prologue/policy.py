@@ -65,11 +65,15 @@ class PrologueVariant:
     weight_format: str
     #: MXFP4 weights only: "dot_scaled" or "dequant"; None for other formats
     mxfp4_path: str | None
+    #: FP8 block scales only: the columns (along L) of a scale block; None otherwise
+    block_n: int | None = None
 
     @property
     def kernel_flags(self) -> tuple[int, bool]:
-        """(W_FMT, MX_NATIVE) as the kernel takes them."""
+        """(W_FMT, MX_NATIVE) as the kernel takes them (W_FMT 3: FP8 with block scales)."""
         w_fmt = {"plain": 0, "fp8": 1, "mxfp4": 2}[self.weight_format]
+        if self.block_n is not None:
+            w_fmt = 3
         return w_fmt, self.mxfp4_path == "dot_scaled"
 
 
@@ -87,11 +91,14 @@ def choose_prologue_variant(
     P: int | None = None,
     L: int | None = None,
     block_l: int | None = None,
+    block: tuple[int, int] | None = None,
 ) -> PrologueVariant:
     """The prologue kernel variant for ``info`` and a weight format (the same for any batch).
 
-    Plain and FP8 weights have one variant each (FP8 weights are upcast to the activations'
-    dtype in registers). MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles (``P``,
+    Plain weights have one variant, FP8 weights two (FP8 weights are upcast to the
+    activations' dtype in registers): a per-tensor / per-head scale, or ``block`` scales (the
+    block's rows along P, columns along L; one block row must cover P, as DeepSeek's 128 x
+    128 blocks do at P = 128). MXFP4 weights: :func:`choose_mxfp4_path`; when the tiles (``P``,
     ``L``, ``block_l``; see :func:`mxfp4_tiles_fit`) cannot feed ``tl.dot_scaled``, "auto"
     picks "dequant" and a forced ``FUSEMLA_MXFP4_PATH=dot_scaled`` raises.
 
@@ -100,6 +107,13 @@ def choose_prologue_variant(
             forced choice that cannot run here.
     """
     check_info(info)
+    if weight_format == "fp8" and block is not None:
+        if P is not None and block[0] < P:
+            raise FuseMLAValueError(
+                f"w_uk_t: FP8 block scales of {block[0]} rows cannot cover P={P}: the prologue "
+                "reads block scales whose rows span all of P (DeepSeek's 128 x 128 at P = 128)"
+            )
+        return PrologueVariant("fp8", None, block[1])
     if weight_format in ("plain", "fp8"):
         return PrologueVariant(weight_format, None)
     if weight_format != "mxfp4":
