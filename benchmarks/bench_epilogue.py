@@ -275,7 +275,9 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                     extra: dict = {}
                     try:
                         us = b.time(
-                            [r.run for r in runners], fused_check(runners, vllm_quant, extra)
+                            [r.run for r in runners],
+                            fused_check(runners, vllm_quant, extra),
+                            rep=100,
                         )
                     except Exception as e:  # noqa: BLE001 - a config that fails is recorded
                         b.sweep_skipped.append(dict(H=H, B=B, out=out, cfg=cfg, error=str(e)[:200]))
