@@ -25,7 +25,7 @@ from benchmarks.common import ensure_interpreter, parser, run_header, sync, verd
 from fusemla.contracts.epilogue import prepare
 from fusemla.ops.epilogue import configs
 from fusemla.ops.epilogue.launch import launch, plan
-from fusemla.quant import split_kv_b_proj_fp8
+from fusemla.quant import QuantizedWeight, split_kv_b_proj_fp8
 from fusemla.reference.epilogue import group_quant_fp8, product_f32
 from fusemla.testing import stable_seed
 from fusemla.testing.compare import fp8_ordinal
@@ -71,7 +71,9 @@ def quant_fn(vllm_quant, group: int):
     if vllm_quant is not None:
 
         def run(x, q, s):
-            vllm_quant(x, group, out_q=q, use_ue8m0=False)
+            # vLLM's function returns scales of its own allocation: copied into ``s`` (a
+            # small extra copy the baseline is charged for; it keeps the buffers fixed)
+            s.copy_(vllm_quant(x, group, out_q=q, use_ue8m0=False)[1])
 
         return "vllm.per_token_group_quant_fp8", run
 
@@ -152,11 +154,22 @@ def compare_fused(args, vllm_quant, key: dict) -> list[str]:
     spec = args.spec
     y = product_f32(args)
     if not spec.fp8_out:
+        # one bf16 ulp of the result, plus what two fp32 summation orders can differ by
+        # (3 (L + 4) 2^-24 sum |x w|, the tests' bound)
         want = y.to(args.out.dtype)
         diff = (args.out.float() - want.float()).abs()
         ulp = want.float().abs().clamp_min(1e-30) * 2.0**-7
-        bad = int((diff > ulp).sum())
-        return [f"{bad} bf16 outputs more than one ulp from the fp32 reference"] if bad else []
+        w = args.w_uv
+        absw = w.dequantize() if isinstance(w, QuantizedWeight) else w.float()
+        mag = torch.bmm(args.attn_out.float().abs().transpose(0, 1), absw.abs())
+        mag = mag.transpose(0, 1).reshape(diff.shape)
+        bound = ulp + 3 * (spec.L + 4) * 2.0**-24 * mag
+        bad = int((diff > bound).sum())
+        return (
+            [f"{bad} bf16 outputs off the fp32 reference beyond one ulp + fp32 order"]
+            if bad
+            else []
+        )
     codes, s = group_quant_fp8(y, spec.group_size, args.out.dtype)
     problems = []
     srel = float(((args.scale_out - s).abs() / s).max())

@@ -24,7 +24,15 @@ README = ROOT / "README.md"
 EXAMPLE_HEADING = "## Example"
 API_HEADING = "## API in brief"
 #: the public functions the API section must give in full
-CORE = ("mla_prologue", "prologue_spec", "mla_prologue_step", "mla_decode_prologue")
+CORE = (
+    "mla_prologue",
+    "prologue_spec",
+    "mla_prologue_step",
+    "mla_decode_prologue",
+    "mla_epilogue",
+    "epilogue_spec",
+    "mla_epilogue_step",
+)
 FIRST_BLOCK = 'pip install -e ".[test]"\npython -m fusemla demo\npython -m pytest -q'
 
 # Runs the example with the launcher counted: the example passes only if the kernel itself ran

@@ -16,8 +16,6 @@ from fusemla.ops.epilogue.launch import run
 if TYPE_CHECKING:  # pragma: no cover
     from fusemla.quant import QuantizedWeight
 
-Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
 
 def mla_epilogue(
     attn_out: torch.Tensor,
@@ -29,7 +27,7 @@ def mla_epilogue(
     scale_ue8m0: bool = False,
     scale_col_major: bool = False,
     scale_out: torch.Tensor | None = None,
-) -> Result:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused MLA decode epilogue: the W_UV up-projection straight into o_proj's input, in one
     kernel launch (fp32 accumulation).
 
@@ -92,13 +90,13 @@ def mla_epilogue_step(
     *,
     out: torch.Tensor | None = None,
     scale_out: torch.Tensor | None = None,
-) -> Result:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One step of the fused epilogue on a layer's :func:`epilogue_spec`: same meaning and
     result as :func:`mla_epilogue`, with only the step's arguments checked."""
     return _execute(prepare_step(spec, attn_out, out=out, scale_out=scale_out))
 
 
-def _execute(args: EpilogueArgs) -> Result:
+def _execute(args: EpilogueArgs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run validated arguments: eagerly, or through the registered op while compiling."""
     if torch.compiler.is_compiling():
         from fusemla.ops.custom_ops import call_mla_epilogue

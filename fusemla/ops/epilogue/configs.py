@@ -19,12 +19,19 @@ SMALL_BATCH = 16
 #: token counts of at least this use the large-batch tiles
 LARGE_BATCH = 128
 
-#: (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages) per bucket on CUDA (ROCm until measured);
-#: BLOCK_V is widened to a whole group for FP8 outputs
+#: (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages) per bucket on CUDA (ROCm until measured),
+#: for an output in the activations' dtype; the best of the H200 sweep at ec98a0e
+#: (benchmarks/results/h200_epilogue_ec98a0e.json) where it measured the bucket
 _GPU_TILES = {
-    "small": (16, 64, 128, 4, 3),
+    "small": (16, 32, 128, 4, 3),
     "medium": (32, 128, 64, 4, 3),
     "large": (64, 128, 64, 8, 3),
+}
+#: the same for an FP8 output, whose V tile holds a whole group (BLOCK_V widened to it)
+_GPU_TILES_FP8 = {
+    "small": (16, 128, 128, 8, 3),
+    "medium": (16, 128, 128, 8, 3),
+    "large": (64, 128, 128, 8, 3),
 }
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 _overrides: dict = {}
@@ -75,7 +82,8 @@ def tiles(
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     bucket = batch_bucket(N)
-    bt, bv, bk, nw, ns = _INTERPRETER_TILES if backend == "interpreter" else _GPU_TILES[bucket]
+    table = _GPU_TILES_FP8 if group is not None else _GPU_TILES
+    bt, bv, bk, nw, ns = _INTERPRETER_TILES if backend == "interpreter" else table[bucket]
     bv = max(16, min(bv, triton.next_power_of_2(V)))
     if group is not None:
         bv = max(bv, group)  # a V tile holds whole groups
