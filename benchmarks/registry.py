@@ -140,7 +140,8 @@ BENCHMARKS = (
     Benchmark(
         "targets",
         "compile",
-        "the kernel compiled for sm_90, sm_100, gfx942, gfx950 without their hardware",
+        "the prologue and epilogue kernels compiled for sm_90, sm_100, gfx942, gfx950 without "
+        "their hardware",
         script="benchmarks/targets.py",
         interpreter=False,
         results="targets_*",

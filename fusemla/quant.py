@@ -78,6 +78,19 @@ def _k_major(x: torch.Tensor) -> bool:
     return x.transpose(1, 2).is_contiguous()
 
 
+def _block_size(block_size: object) -> tuple[int, int]:
+    """A checkpoint's ``weight_block_size`` ``(bn, bk)``: two positive ints."""
+    if (
+        not isinstance(block_size, (tuple, list))
+        or len(block_size) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)
+    ):
+        raise FuseMLAValueError(
+            f"block_size: expected two positive ints (bn, bk), got {describe(block_size)}"
+        )
+    return block_size[0], block_size[1]
+
+
 def _pow2(exp: torch.Tensor) -> torch.Tensor:
     """Exact fp32 ``2**exp`` for int ``exp`` in [-127, 128] (-127: subnormal; 128: NaN).
 
@@ -461,15 +474,7 @@ def dequantize_block_fp8(
     _dtype("weight", w, FP8_DTYPES)
     _dtype("weight_scale_inv", s, FLOAT_DTYPES)
     _rank("weight", w, 2, "[N, K]")
-    if (
-        not isinstance(block_size, (tuple, list))
-        or len(block_size) != 2
-        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)
-    ):
-        raise FuseMLAValueError(
-            f"block_size: expected two positive ints (bn, bk), got {describe(block_size)}"
-        )
-    bn, bk = block_size
+    bn, bk = _block_size(block_size)
     N, K = w.shape
     expected = (-(-N // bn), -(-K // bk))
     if tuple(s.shape) != expected:
@@ -531,15 +536,7 @@ def split_kv_b_proj_fp8(
     H = _pos_int("num_heads", num_heads)
     P = _pos_int("qk_nope_head_dim", qk_nope_head_dim)
     V = _pos_int("v_head_dim", v_head_dim)
-    if (
-        not isinstance(block_size, (tuple, list))
-        or len(block_size) != 2
-        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block_size)
-    ):
-        raise FuseMLAValueError(
-            f"block_size: expected two positive ints (bn, bk), got {describe(block_size)}"
-        )
-    bn, bk = block_size
+    bn, bk = _block_size(block_size)
     _rank("weight", w, 2, "[num_heads * (qk_nope_head_dim + v_head_dim), L]")
     R, L = w.shape
     if R != H * (P + V):

@@ -142,3 +142,18 @@ def recorded_launch_plans() -> Iterator[list]:
     yielded list. Nothing is recorded where fusemla's PyTorch reference runs instead."""
     with PrologueSpy() as spy:
         yield spy.plans
+
+
+class KernelSpy:
+    """Stands in for a Triton kernel object in a launcher module (monkeypatch it in): records
+    every ``kernel[grid](**kwargs)``, then runs the real kernel with them (``calls``)."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getitem__(self, grid):
+        def call(**kwargs):
+            self.calls.append((grid, kwargs))
+            return self.real[grid](**kwargs)
+
+        return call

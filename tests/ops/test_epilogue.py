@@ -44,6 +44,7 @@ from fusemla.quant import (
 )
 from fusemla.reference.epilogue import group_quant_fp8
 from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, poisoned, stable_seed
+from fusemla.testing.spy import KernelSpy
 
 FP8 = torch.float8_e4m3fn
 FNUZ = torch.float8_e4m3fnuz
@@ -716,24 +717,9 @@ def test_fp8_output_group_512(device, N):
 # ----------------------------------------------------------------------------- 3. shapes
 
 
-class _KernelSpy:
-    """Stands in for the Triton kernel object: records ``kernel[grid](**kwargs)``, then runs
-    the real kernel with them."""
-
-    def __init__(self, real):
-        self.real, self.calls = real, []
-
-    def __getitem__(self, grid):
-        def call(**kwargs):
-            self.calls.append((grid, kwargs))
-            return self.real[grid](**kwargs)
-
-        return call
-
-
 @pytest.fixture
 def kernel_spy(monkeypatch):
-    spy = _KernelSpy(launch_mod.mla_epilogue_kernel)
+    spy = KernelSpy(launch_mod.mla_epilogue_kernel)
     monkeypatch.setattr(launch_mod, "mla_epilogue_kernel", spy)
     return spy
 

@@ -11,24 +11,9 @@ import fusemla
 import fusemla.ops.prologue.launch as launch_mod
 from fusemla.quant import quantize_fp8_weight
 from fusemla.testing import DEEPSEEK_V3, SMALL_DIMS, make_inputs, stable_seed
-from fusemla.testing.spy import recorded_launch_plans
+from fusemla.testing.spy import KernelSpy, recorded_launch_plans
 
 FP8 = torch.float8_e4m3fn
-
-
-class _KernelSpy:
-    """Stands in for the Triton kernel object: records ``kernel[grid](**kwargs)``, then runs
-    the real kernel with them."""
-
-    def __init__(self, real):
-        self.real, self.calls = real, []
-
-    def __getitem__(self, grid):
-        def call(**kwargs):
-            self.calls.append((grid, kwargs))
-            return self.real[grid](**kwargs)
-
-        return call
 
 
 @pytest.mark.parametrize(
@@ -54,7 +39,7 @@ def test_the_launch_runs_what_the_plan_returned(device, monkeypatch, weights, kv
         generator=g,
     )
     w = inp.w_uk_t if weights == "plain" else quantize_fp8_weight(inp.w_uk_t, per_head=True)
-    spy = _KernelSpy(launch_mod.mla_prologue_kernel)
+    spy = KernelSpy(launch_mod.mla_prologue_kernel)
     monkeypatch.setattr(launch_mod, "mla_prologue_kernel", spy)
     with recorded_launch_plans() as plans:
         inp.run(

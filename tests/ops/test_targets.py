@@ -1,11 +1,12 @@
 """The GPU-target compile run (benchmarks/targets.py) kept honest on the CPU, in seconds.
 
-CI compiles the prologue kernel for sm_90, sm_100, gfx942 and gfx950 without their hardware.
-These tests check what that run rests on: the arguments it compiles are exactly the kernel's
-parameters as the real launcher passes them (Triton's own binding, stopped before the compile);
-its variant set holds every constexpr value and every argument dtype the plan picks over a wider
-grid of inputs; its factors span the library's dtypes, formats and overrides; what it records as
-refused is refused by the library with a typed error; and one variant really compiles.
+CI compiles the prologue and the epilogue kernels for sm_90, sm_100, gfx942 and gfx950 without
+their hardware. These tests check what that run rests on, for each kernel: the arguments it
+compiles are exactly the kernel's parameters as the real launcher passes them (Triton's own
+binding, stopped before the compile); its variant set holds every constexpr value and every
+argument dtype the plan picks over a wider grid of inputs; its factors span the library's dtypes,
+formats and overrides; what it records as refused is refused by the library with a typed error;
+and variants really compile (prologue: gfx950; epilogue: sm_90 and gfx942).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import pytest
 import torch
 
 from fusemla import config, envs
+from fusemla.contracts.epilogue import MIN_GROUP
 from fusemla.dtypes import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES, ROPE_DTYPES
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
+from fusemla.ops.epilogue import configs as epilogue_configs
 from fusemla.ops.prologue import configs
 from fusemla.quant import FORMATS
 
@@ -33,6 +36,7 @@ targets = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(targets)
 
 TARGETS = list(targets.TARGETS)
+OPS = list(targets.OPS)
 #: Triton's signature strings of the dtypes the launcher passes
 TRITON_TYPE = {
     torch.bfloat16: "*bf16",
@@ -44,12 +48,14 @@ TRITON_TYPE = {
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.float8_e4m3fnuz: "*fp8e4b8",
 }
-#: what the library refuses at run time on each target, as (factor, value)
+#: what the library refuses at run time on each target, as (factor, value): the prologue's
 REFUSED = {
     "cuda": {
         ("weights", "fp8.tensor.L.e4m3fnuz"),
         ("weights", "fp8.head.K.e4m3fnuz"),
         ("weights", "fp8.head.K.e4m3fnuz+act_fp8"),
+        ("weights", "fp8.block.L.e4m3fnuz"),
+        ("weights", "fp8.block.K.e4m3fnuz+act_fp8"),
         ("kv", "e4m3fnuz/float"),
         ("kv", "e4m3fnuz/tensor"),
         ("q_out", "e4m3fnuz/float"),
@@ -59,35 +65,69 @@ REFUSED = {
     "gfx942": {("weights", "mxfp4@dot_scaled"), ("pdl", "on")},
     "gfx950": {("pdl", "on")},
 }
+#: the epilogue's: e4m3fnuz (weights, output) on NVIDIA, PDL forced on where there is none
+EPILOGUE_REFUSED = {
+    "cuda": {
+        ("weights", "fp8.tensor.V.e4m3fnuz"),
+        ("weights", "fp8.head.K.e4m3fnuz"),
+        ("weights", "fp8.block.K.e4m3fnuz"),
+        ("out", "e4m3fnuz"),
+    },
+    "rocm": {("pdl", "on")},
+}
 #: weight variants of the grid: every format, granularity, layout and FP8 dtype with and
 #: without FP8 activations, every MXFP4 path (the factor's own list is checked against it)
 WEIGHTS = [
     *("plain.L", "plain.K", "mxfp4", "mxfp4@dequant", "mxfp4@dot_scaled"),
     *(
         f"fp8.{g}.{layout}.{fp8}{aq}"
-        for g in ("tensor", "head")
+        for g in ("tensor", "head", "block")
         for layout in ("K", "L")
         for fp8 in ("e4m3fn", "e4m3fnuz")
         for aq in ("", "+act_fp8")
     ),
+]
+#: the epilogue's W_UV variants of the grid: every plain layout, FP8 per tensor and per head in
+#: every layout and FP8 dtype, block scales (K-major, as split_kv_b_proj_fp8 gives them) in
+#: every FP8 dtype (the factor's own list is checked against it)
+EPILOGUE_WEIGHTS = [
+    *("plain.V", "plain.K", "plain.vllm"),
+    *(
+        f"fp8.{g}.{layout}.{fp8}"
+        for g in ("tensor", "head")
+        for layout in ("K", "V")
+        for fp8 in ("e4m3fn", "e4m3fnuz")
+    ),
+    *(f"fp8.block.K.{fp8}" for fp8 in ("e4m3fn", "e4m3fnuz")),
 ]
 #: launch options the launcher may pass next to the kernel's parameters
 OPTIONS = {"num_warps", "num_stages", "launch_pdl"}
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    return targets.compiled_kernel()
+def kernels():
+    """Each op's kernel object in compiled mode (the suite runs under the interpreter)."""
+    return {op: targets.OPS[op].kernel() for op in OPS}
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels["prologue"]
 
 
 @pytest.fixture(scope="module")
 def variant_sets():
-    return {name: targets.variant_set(targets.TARGETS[name]) for name in TARGETS}
+    return {
+        (op, name): targets.variant_set(targets.TARGETS[name], op=op)
+        for op in OPS
+        for name in TARGETS
+    }
 
 
-def _expected_refusals(name: str) -> set:
+def _expected_refusals(name: str, op: str = "prologue") -> set:
     t = targets.TARGETS[name]
-    return REFUSED.get("cuda" if t.backend == "cuda" else "rocm", set()) | REFUSED.get(name, set())
+    table = REFUSED if op == "prologue" else EPILOGUE_REFUSED
+    return table.get("cuda" if t.backend == "cuda" else "rocm", set()) | table.get(name, set())
 
 
 def _values(cap, kernel) -> set:
@@ -144,16 +184,17 @@ def test_the_compiled_signature_is_the_kernels_parameter_list(kernel, name, chan
     assert got["constants"]["KV_SCALE_PTR"] is (change.get("kv") == "e4m3fn/tensor")
 
 
+@pytest.mark.parametrize("op, stride", [("prologue", "s_qn_"), ("epilogue", "s_x_")])
 @pytest.mark.parametrize("broken", ["missing", "unknown"])
-def test_an_argument_the_kernel_does_not_take_fails_the_derivation(kernel, broken):
+def test_an_argument_the_kernel_does_not_take_fails_the_derivation(kernels, op, stride, broken):
     target = targets.TARGETS["sm_90"]
-    cap = targets.capture(target, dict(targets.BASE))
+    cap = targets.capture(target, targets.OPS[op].base, op=op)
     if broken == "missing":
-        del cap.kwargs["s_qn_t"]
+        del cap.kwargs[stride + "t"]
     else:
-        cap.kwargs["s_qn_x"] = 1
-    with pytest.raises((TypeError, KeyError), match="s_qn_"):
-        targets.compile_for(target, cap, kernel, dry=True)
+        cap.kwargs[stride + "x"] = 1
+    with pytest.raises((TypeError, KeyError), match=stride):
+        targets.compile_for(target, cap, kernels[op], dry=True)
 
 
 @pytest.mark.parametrize("name", TARGETS)
@@ -164,7 +205,7 @@ def test_the_variant_set_holds_every_value_the_plan_picks(kernel, variant_sets, 
     inside the variant set's. What the library refuses is left out (tested below)."""
     target = targets.TARGETS[name]
     have = set().union(
-        *(_values(targets.capture(target, v), kernel) for v in variant_sets[name][0])
+        *(_values(targets.capture(target, v), kernel) for v in variant_sets["prologue", name][0])
     )
     grid = []
     for H, D in itertools.product((16, 32, 64, 128), (0, 1, 9, 255, 256, 4096)):
@@ -182,6 +223,170 @@ def test_the_variant_set_holds_every_value_the_plan_picks(kernel, variant_sets, 
         n += 1
     assert n > 300  # the grid really ran
     assert want <= have, sorted(want - have, key=str)
+
+
+# ------------------------------------------------------------------------------ the epilogue
+
+
+def _epilogue_values(cap) -> set:
+    """What decides the epilogue's binary, as :func:`_values` for the prologue: every
+    constexpr, launch option and argument dtype, every integer Triton turns into a constant
+    (== 1) or assumes divisible by 16 or not (the kernel specializes all of its integers, the
+    token count N included), and what shows only together: each tile config with the
+    weight's code path and with the output's (FP8 format and group) it is planned for (the
+    tiles depend on the bucket, the output, the group and the weight's bytes), the weight's
+    path with its dtype and layout (weights x act), the output with the weight's path and
+    with ue8m0 (pairs of factors)."""
+    kw, c = cap.kwargs, cap.plan.constexprs
+    out = {(k, kw[k]) for k in kw if k in OPTIONS or k in c}
+    out |= {(k, getattr(x, "dtype", x)) for k, x in kw.items() if k.startswith("p_")}
+    ones = {k for k, x in kw.items() if type(x) is int and x == 1 and k not in c}
+    out |= {(k, "== 1") for k in ones}
+    # and the divisibility by 16 it assumes of the others (the token count N, strides)
+    ints = {k: x for k, x in kw.items() if type(x) is int and k not in c and k not in ones}
+    out |= {(k, "% 16 == 0" if x % 16 == 0 else "% 16 != 0") for k, x in ints.items()}
+    tiles = tuple(c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"))
+    layout = tuple(sorted(ones & {"s_w_k", "s_w_v"}))
+    weight = (c["W_FMT"], c["W_BK"], c["W_BN"])
+    out |= {
+        ("tiles", tiles, "weight", weight),
+        ("tiles", tiles, "output", c["OUT_FP8"], c["GROUP"]),
+        ("weight", weight, kw["p_w"].dtype, layout),
+        ("output", c["OUT_FP8"], weight),
+        ("output", c["OUT_FP8"], "UE8M0", c["UE8M0"]),
+    }
+    return out
+
+
+@pytest.mark.parametrize("name", TARGETS)
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"weights": "fp8.block.K.e4m3fn", "out": "e4m3fn", "scales": "col", "ue8m0": "on"},
+        {"weights": "fp8.head.V.e4m3fn", "act": "fp16", "out": "e4m3fn", "group": 16},
+        {"weights": "plain.vllm", "act": "fp16", "heads": 128, "bucket": "large", "pdl": "off"},
+        {"weights": "fp8.tensor.K.e4m3fn", "bucket": "medium", "out": "e4m3fn"},
+    ],
+    ids=["base", "block-fp8", "head-fp8-g16", "plain-vllm", "tensor-fp8"],
+)
+def test_the_epilogue_signature_is_the_kernels_parameter_list(kernels, name, change):
+    """The epilogue as the prologue: Triton binds the launcher's own arguments, every
+    parameter in order, pointers typed by the tensors passed, the plan's constexprs as
+    constants, and the integers Triton specializes (a stride of 1, N = 1) as constants."""
+    kernel, target = kernels["epilogue"], targets.TARGETS[name]
+    v = dict(targets.EPILOGUE_BASE, **change)
+    cap = targets.capture(target, v, op="epilogue")
+    params = list(kernel.arg_names)
+    assert set(cap.kwargs) - OPTIONS == set(params), (set(cap.kwargs) ^ set(params)) - OPTIONS
+    got = targets.compile_for(target, cap, kernel, dry=True)
+    assert list(got["signature"]) == params
+    for k, x in cap.kwargs.items():
+        if isinstance(x, torch.Tensor):
+            assert got["signature"][k] == TRITON_TYPE[x.dtype], k
+        elif type(x) is int and x == 1 and k not in kernel.do_not_specialize:
+            assert got["signature"][k] == "constexpr" and got["constants"][k] == 1, k
+    for k, value in cap.plan.constexprs.items():
+        if k in ("num_warps", "num_stages"):
+            assert got["options"][k] == value
+        else:
+            assert got["constants"][k] == value, k
+    assert got["options"].get("launch_pdl", False) is cap.plan.pdl  # HIP has no such option
+    c = got["constants"]
+    fmt = v["weights"].split(".")
+    assert c["W_FMT"] == (0 if fmt[0] == "plain" else 2 if fmt[1] == "block" else 1)
+    assert (c["W_BK"], c["W_BN"]) == ((128, 128) if fmt[1:2] == ["block"] else (0, 0))
+    assert c["OUT_FP8"] == (0 if v["out"] == "act" else 1)
+    assert c["GROUP"] == (0 if v["out"] == "act" else v["group"])
+    assert c["UE8M0"] is (v["out"] != "act" and v["ue8m0"] == "on")
+    assert got["signature"]["p_o"] == ("*fp8e4nv" if v["out"] == "e4m3fn" else "*" + v["act"])
+    # the weight's layout: a stride of 1 along V or along L (K-major), never both
+    ones = {k for k in ("s_w_k", "s_w_v") if c.get(k) == 1}
+    assert ones == ({"s_w_k"} if fmt[-1] == "K" or fmt[2:3] == ["K"] else {"s_w_v"})
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_the_epilogue_variant_set_holds_every_value_the_plan_picks(kernels, variant_sets, name):
+    """Over a wider grid (4 head counts x 9 token counts from 1 past the large bucket x
+    every W_UV variant of the library; every token count with every W_UV variant, output kind
+    and group, which decide the tiles together; every token count with every output kind,
+    ue8m0 and scale layout; then every value the library lists for each other factor on its
+    own), the set of (constexpr / option / argument dtype / constant, value) the epilogue's
+    plan picks is inside the variant set's. N = 0 launches nothing; refused values are left
+    out (tested below). Group sizes: 128 (DeepSeek's o_proj) and 16 (the smallest); 32 and
+    64 are the same code with a group in between, not compiled."""
+    target, base = targets.TARGETS[name], targets.EPILOGUE_BASE
+    have = set().union(
+        *(
+            _epilogue_values(targets.capture(target, v, op="epilogue"))
+            for v in variant_sets["epilogue", name][0]
+        )
+    )
+    Ns = (1, 2, 16, 17, 64, 127, 128, 300, 4096)
+    bucket = {N: epilogue_configs.batch_bucket(N) for N in Ns}
+    grid = [
+        (dict(base, heads=H, bucket=bucket[N], weights=w), N)
+        for H, N, w in itertools.product((16, 32, 64, 128), Ns, EPILOGUE_WEIGHTS)
+    ]
+    f = targets.EPILOGUE_FACTORS
+    grid += [  # what decides the tiles, together
+        (dict(base, bucket=bucket[N], weights=w, out=o, group=g), N)
+        for N, w, o, g in itertools.product(Ns, EPILOGUE_WEIGHTS, f["out"], f["group"])
+    ]
+    grid += [
+        (dict(base, bucket=bucket[N], out=o, ue8m0=u, scales=s), N)
+        for N, o, u, s in itertools.product(Ns, f["out"], f["ue8m0"], f["scales"])
+    ]
+    for k, values in {**f, **_epilogue_library_values()}.items():
+        grid += [(dict(base, **{k: value}), None) for value in values]
+    want, n = set(), 0
+    for v, N in grid:
+        try:
+            cap = targets.capture(target, v, D=N, op="epilogue")
+        except FuseMLAError:
+            continue
+        want |= _epilogue_values(cap)
+        n += 1
+    assert n > 600  # the grid really ran
+    assert want <= have, sorted(want - have, key=str)
+
+
+def _epilogue_library_values() -> dict:
+    """The values the library lists for the epilogue, named as the variant set names them."""
+    name = {v: k for k, v in targets.DTYPES.items()}
+    return dict(
+        act=[name[d] for d in ACT_DTYPES],
+        out=["act", *(name[d] for d in FP8_DTYPES)],
+        pdl=list(dict.fromkeys(envs.VARIABLES[config.PDL_ENV].values.values())),
+    )
+
+
+def test_the_epilogue_factors_span_the_librarys_choices():
+    """A dtype, W_UV format or layout, output kind, override value or bucket the library gains
+    must enter the epilogue's variant set, or this fails."""
+    f = targets.EPILOGUE_FACTORS
+    assert {targets.DTYPES[a] for a in f["act"]} == set(ACT_DTYPES)
+    assert {targets.DTYPES.get(o) for o in f["out"]} == {None, *FP8_DTYPES}  # None: "act"
+    assert set(f["weights"]) <= set(EPILOGUE_WEIGHTS)
+    fmts = {w.split(".")[0] for w in f["weights"]}
+    assert fmts == {"plain", "fp8"} and set(FORMATS) - fmts == {"mxfp4"}  # no MXFP4 W_UV
+    assert {w.split(".")[1] for w in f["weights"] if w.startswith("plain.")} == {"V", "K", "vllm"}
+    fp8 = [w.split(".")[1:] for w in f["weights"] if w.startswith("fp8.")]
+    assert {g for g, _, _ in fp8} == {"tensor", "head", "block"}
+    assert {d for _, _, d in fp8} == {str(d).removeprefix("torch.float8_") for d in FP8_DTYPES}
+    for dtype in {d for _, _, d in fp8}:  # each FP8 dtype in each layout, and with block scales
+        assert {lay for g, lay, d in fp8 if d == dtype and g != "block"} == {"K", "V"}
+        assert ["block", "K", dtype] in fp8
+    assert set(f["pdl"]) == set(envs.VARIABLES[config.PDL_ENV].values.values())
+    buckets = {epilogue_configs.batch_bucket(N) for N in range(1, 4 * epilogue_configs.LARGE_BATCH)}
+    assert set(f["bucket"]) == buckets == set(targets.EPILOGUE_BUCKET_N)
+    assert all(epilogue_configs.batch_bucket(N) == b for b, N in targets.EPILOGUE_BUCKET_N.items())
+    assert (
+        1 in targets.EPILOGUE_BUCKET_N.values()
+    )  # a batch of one (N is not specialized: one binary per bucket)
+    assert set(f["heads"]) == {16, 128}
+    assert set(f["ue8m0"]) == {"off", "on"} and set(f["scales"]) == {"row", "col"}
+    assert set(f["group"]) == {128, MIN_GROUP}
 
 
 def _library_values() -> dict:
@@ -214,7 +419,7 @@ def test_the_factors_span_the_librarys_choices():
     assert _dtypes("tables") == set(ROPE_DTYPES)
     assert {w.split(".")[0].partition("@")[0] for w in f["weights"]} == {"plain", *FORMATS}
     fp8 = [w for w in f["weights"] if w.startswith("fp8.")]
-    assert {w.split(".")[1] for w in fp8} == {"tensor", "head"}
+    assert {w.split(".")[1] for w in fp8} == {"tensor", "head", "block"}
     assert {w.split(".")[2] for w in fp8} == {"K", "L"}
     assert {w.split(".")[3].partition("+")[0] for w in fp8} == {"e4m3fn", "e4m3fnuz"}
     for fmt in FP8_DTYPES:  # FP8 x FP8 in each FP8 format
@@ -228,38 +433,46 @@ def test_the_factors_span_the_librarys_choices():
     assert {c.split(".")[0] for c in f["cell"]} == {"H16", "H128"}  # one per tile-table class
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", TARGETS)
-def test_refused_values_are_the_librarys_typed_errors(variant_sets, name):
-    variants, refused = variant_sets[name]
-    got = {
-        (k, r["variant"][k])
-        for r in refused
-        for k in targets.FACTORS
-        if r["variant"][k] != targets.BASE[k]
-    }
-    assert got == _expected_refusals(name)
+def test_refused_values_are_the_librarys_typed_errors(variant_sets, name, op):
+    variants, refused = variant_sets[op, name]
+    factors, base = targets.OPS[op].factors, targets.OPS[op].base
+    got = {(k, r["variant"][k]) for r in refused for k in factors if r["variant"][k] != base[k]}
+    assert got == _expected_refusals(name, op)
     for r in refused:
         assert r["error"].split(":")[0] in ("FuseMLATypeError", "FuseMLAValueError"), r["error"]
         with pytest.raises((FuseMLATypeError, FuseMLAValueError)):
-            targets.capture(targets.TARGETS[name], r["variant"])
+            targets.capture(targets.TARGETS[name], r["variant"], op=op)
     for v in variants:  # none of the refused values is in the set to compile
         assert not {(k, v[k]) for k in v} & got
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", TARGETS)
-def test_every_pair_of_values_is_in_some_variant(variant_sets, name):
-    variants, refused = variant_sets[name]
-    allowed = {k: {v[k] for v in variants} for k in targets.FACTORS}
-    bad = {(k, r["variant"][k]) for r in refused for k in targets.FACTORS}
-    for k, values in targets.FACTORS.items():
-        assert allowed[k] == {x for x in values if (k, x) not in bad or x == targets.BASE[k]}
-    seen = {
-        (a, v[a], b, v[b]) for v in variants for a, b in itertools.combinations(targets.FACTORS, 2)
-    }
-    for a, b in itertools.combinations(targets.FACTORS, 2):
+def test_every_pair_of_values_is_in_some_variant(variant_sets, name, op):
+    variants, refused = variant_sets[op, name]
+    factors, base = targets.OPS[op].factors, targets.OPS[op].base
+    allowed = {k: {v[k] for v in variants} for k in factors}
+    bad = {(k, r["variant"][k]) for r in refused for k in factors}
+    for k, values in factors.items():
+        assert allowed[k] == {x for x in values if (k, x) not in bad or x == base[k]}
+    seen = {(a, v[a], b, v[b]) for v in variants for a, b in itertools.combinations(factors, 2)}
+    for a, b in itertools.combinations(factors, 2):
         for x, y in itertools.product(allowed[a], allowed[b]):
             assert (a, x, b, y) in seen, (a, x, b, y)
     assert len({targets.variant_id(v) for v in variants}) == len(variants)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_the_epilogue_set_stays_near_its_floor(variant_sets, name):
+    """A pairwise set has at least as many rows as the two largest factors' values multiplied
+    (here W_UV variants x batch buckets or outputs); the epilogue's stays near that with the
+    few rows its joint keys add, so the CI run grows by about 110 small compiles, not by a
+    cross product."""
+    variants, _ = variant_sets["epilogue", name]
+    sizes = sorted(len({v[k] for v in variants}) for k in targets.EPILOGUE_FACTORS)
+    assert len(variants) <= 1.3 * sizes[-1] * sizes[-2], len(variants)
 
 
 def test_a_refused_value_raises_before_any_launch():
@@ -269,6 +482,11 @@ def test_a_refused_value_raises_before_any_launch():
         targets.capture(target, dict(targets.BASE, kv="e4m3fnuz/tensor"))
     with pytest.raises(FuseMLAError):
         targets.capture(target, dict(targets.BASE, q_out="e4m3fnuz/float"))
+    epilogue = targets.EPILOGUE_BASE
+    with pytest.raises(FuseMLATypeError, match="out: float8_e4m3fnuz"):
+        targets.capture(target, dict(epilogue, out="e4m3fnuz"), op="epilogue")
+    with pytest.raises(FuseMLATypeError, match="w_uv.data: float8_e4m3fnuz"):
+        targets.capture(target, dict(epilogue, weights="fp8.block.K.e4m3fnuz"), op="epilogue")
 
 
 def test_a_kernel_needing_more_shared_memory_than_the_target_has_fails():
@@ -290,10 +508,17 @@ def _committed() -> dict:
 
 
 def test_the_committed_table_is_whole():
-    """Every target, every record with its numbers, refusals with the library's errors."""
+    """Every op on every target, every record with its numbers, refusals with the library's
+    errors; the markdown table is the rendering of the JSON, a section per op."""
+    import triton
+
     doc = _committed()
     recs = doc["records"]
-    assert {r["target"] for r in recs} == set(TARGETS)
+    assert {(r["op"], r["target"]) for r in recs} == set(itertools.product(OPS, TARGETS))
+    assert {(s["op"], s["target"]) for s in doc["summary"]} == set(itertools.product(OPS, TARGETS))
+    md = (ROOT / f"benchmarks/results/targets_triton{triton.__version__}.md").read_text()
+    assert md == targets.table(doc)
+    assert all(f"## {targets.OPS[op].title}" in md for op in OPS)
     for r in recs:
         if r["status"] == "refused":
             assert r["error"].split(":")[0] in ("FuseMLATypeError", "FuseMLAValueError")
@@ -305,7 +530,7 @@ def test_the_committed_table_is_whole():
             # compiled for the target itself: "sm_90a", "amdgpu9.42-amd-amdhsa-unknown-gfx942"
             assert x["arch"] == r["target"] + "a" or x["arch"].endswith("-" + r["target"])
     for s in doc["summary"]:
-        mine = [r for r in recs if r["target"] == s["target"]]
+        mine = [r for r in recs if (r["op"], r["target"]) == (s["op"], s["target"])]
         assert s["variants"] == len(mine)
         assert s["failed"] == sum(r["status"] == "failed" for r in mine)
 
@@ -328,23 +553,23 @@ def test_rocm_large_batch_tiles_fit_amd_lds():
 def test_nothing_the_plan_picks_failed_in_the_committed_table():
     failed = [r for r in _committed()["records"] if r["status"] == "failed"]
     for r in failed:  # the plan must have moved off the tiles that could not launch
-        cap = targets.capture(targets.TARGETS[r["target"]], r["variant"])
-        keys = ("BLOCK_L", "BLOCK_T", "num_warps", "num_stages")
+        cap = targets.capture(targets.TARGETS[r["target"]], r["variant"], op=r["op"])
+        keys = targets.OPS[r["op"]].tiles
         assert [cap.plan.constexprs[k] for k in keys] != [r["constexprs"][k] for k in keys]
-    assert not failed, [(r["target"], targets.variant_id(r["variant"])) for r in failed]
+    assert not failed, [(r["op"], r["target"], targets.variant_id(r["variant"])) for r in failed]
 
 
-def test_one_variant_compiles_for_an_amd_target(tmp_path):
-    """The real thing, once: gfx950 (about 1 s of compile). In a fresh process without the
-    interpreter (Triton's language is interpreted in this one)."""
+def _smoke(tmp_path, *args: str) -> list[dict]:
+    """``targets.py --smoke ARGS`` in a fresh process without the interpreter (Triton's
+    language is interpreted in this one): its records."""
     from triton.backends import backends
 
-    if "amd" not in backends:
-        pytest.skip("this Triton has no AMD backend")
+    if "amd" not in backends or "nvidia" not in backends:
+        pytest.skip("this Triton lacks the AMD or the NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "smoke.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/targets.py"), "--smoke", "--targets", "gfx950"]
+    cmd = [sys.executable, str(ROOT / "benchmarks/targets.py"), "--smoke", *args]
     run = subprocess.run(
         [*cmd, "--jobs", "1", "--out", str(out), "--cache-dir", env["TRITON_CACHE_DIR"]],
         env=env,
@@ -353,9 +578,36 @@ def test_one_variant_compiles_for_an_amd_target(tmp_path):
         timeout=120,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    (rec,) = json.loads(out.read_text())["records"]
-    assert rec["status"] == "compiled" and rec["target"] == "gfx950"
+    return json.loads(out.read_text())["records"]
+
+
+def test_one_variant_compiles_for_an_amd_target(tmp_path):
+    """The real thing, once: gfx950 (about 1 s of compile)."""
+    (rec,) = _smoke(tmp_path, "--targets", "gfx950", "--ops", "prologue")
+    assert rec["status"] == "compiled" and rec["target"] == "gfx950" and rec["op"] == "prologue"
     res = rec["resources"]
     assert res["arch"].endswith("gfx950") and res["regs"] > 0 and res["shared"] > 0
     assert res["spills"] == 0 and res["scratch"] == 0
     assert rec["pointers"]["p_qn"] == "*bf16" and rec["specialized"]["p_ws"] is None
+
+
+def test_one_epilogue_variant_compiles_for_sm_90_and_gfx942(tmp_path):
+    """The epilogue's base variant (bf16, plain W_UV, N = 1) really compiled for an NVIDIA and
+    an AMD target (about 1 s each): registers and shared memory from the binaries, for the
+    target itself, the launcher's pointers and Triton's constants in the record."""
+    recs = _smoke(tmp_path, "--targets", "sm_90", "gfx942", "--ops", "epilogue")
+    assert [(r["op"], r["target"], r["status"]) for r in recs] == [
+        ("epilogue", "sm_90", "compiled"),
+        ("epilogue", "gfx942", "compiled"),
+    ]
+    for rec in recs:
+        res = rec["resources"]
+        assert res["regs"] > 0 and res["shared"] > 0 and res["spills"] == 0
+        assert res["arch"] == "sm_90a" or res["arch"].endswith("-gfx942")
+        assert rec["variant"] == targets.EPILOGUE_BASE
+        assert rec["pointers"]["p_x"] == rec["pointers"]["p_w"] == rec["pointers"]["p_o"] == "*bf16"
+        assert rec["constexprs"]["USE_PDL"] is (rec["target"] == "sm_90")
+        assert (
+            rec["specialized"]["s_w_v"] == 1 and "N" not in rec["specialized"]
+        )  # one binary per bucket
+    assert recs[1]["resources"]["scratch"] == 0
