@@ -257,11 +257,12 @@ def rows(b: Bench, a, vllm_quant) -> None:
 def sweep(b: Bench, a, vllm_quant) -> None:
     dims = b.dims
     grid = [
-        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp)
         for bt in (16, 32, 64)
         for bv in (32, 64, 128)
         for bk in ((16,) if b.smoke else (64, 128))
         for nw, ns in ((4, 3), (8, 3), (4, 2))
+        for sp in (1, 2, 4)
     ]
     for H in a.heads:
         layers = [
@@ -282,6 +283,8 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                         (fp8 and cfg["BLOCK_V"] < a.group)
                         or cfg["BLOCK_T"] > max(16, 4 * B)
                         or blk % cfg["BLOCK_K"]
+                        or (cfg["SPLIT"] > 1 and B > 16)  # the latent split is for small batches
+                        or (dims["L"] // cfg["BLOCK_K"]) % cfg["SPLIT"]
                     ):
                         continue
                     runners = [fused_runner(x, w, fp8, a.group, cfg) for x, w in zip(xs, layers)]

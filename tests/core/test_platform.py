@@ -554,9 +554,8 @@ def test_pdl_choice(monkeypatch):
 def test_info_prints_the_plan():
     """`fusemla info` asks the plan function (no second derivation): under the interpreter one
     row per weight format and decode batch, with the bucket the tile tables give that batch."""
-    from fusemla.ops.prologue import configs
-
     from fusemla.ops.epilogue import configs as epi_configs
+    from fusemla.ops.prologue import configs
 
     rows = cli.plan_lines(platform_from("interpreter"))
     assert rows[0].startswith("  launch plan at H=16")

@@ -688,6 +688,57 @@ def test_forced_tiles_match_reference(device):
     _check(x, w, fused_act, fusemla.mla_epilogue_ref(x, w))
 
 
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("weights", ["plain", "head", "block"])
+def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights, split):
+    """SPLIT programs per item, their partial sums meeting in a workspace: the result agrees
+    with the reference, is bit-identical from run to run (the last program adds the parts in
+    split order), and the items' counters are reset for the next launch (a second launch on the
+    same arguments gives the same bytes)."""
+    d = _dims(device)
+    g = _gen("split", weights, split)
+    H, L, V = d["H"], d["L"], d["V"]
+    x = _act(21, H, L, g, BF16, device)
+    if weights == "plain":
+        w = _plain_w(H, L, V, g, BF16, device)
+    elif weights == "head":
+        w = quantize_fp8_weight(_plain_w(H, L, V, g, torch.float32, device), per_head=True)
+    else:
+        blk = (32, 32) if device == "cpu" else (128, 128)
+        w = _kv_b_proj_w_uv(H, blk[0], L, V, blk, g, device)
+    bk = 16 if device == "cpu" else 64  # several chunks per split
+    for kw, group in ((dict(out_dtype=FP8, group_size=32), 32), ({}, 128)):
+        ref = fusemla.mla_epilogue_ref(x, w, **kw)
+        runs = []
+        for _ in range(2):
+            a = prepare(x, w, **kw)
+            for t in (a.out, a.scale_out):
+                if t is not None:
+                    t.copy_(poisoned(t.shape, t.dtype, t.device))
+            plan = launch_mod.plan(a, cfg=dict(BLOCK_K=bk, SPLIT=split))
+            assert plan.split == split and plan.grid == (plan.n_items * split,)
+            launch_mod.launch(a, dict(BLOCK_K=bk, SPLIT=split))
+            runs.append(a.result)
+        fused = runs[0]
+        _check(x, w, fused, ref, group=group)
+        first = fused if isinstance(fused, tuple) else (fused,)
+        second = runs[1] if isinstance(runs[1], tuple) else (runs[1],)
+        for t1, t2 in zip(first, second):
+            assert torch.equal(_bytes(t1), _bytes(t2))
+
+
+def test_split_that_does_not_divide_the_latent_is_refused(device):
+    d = _dims(device)
+    g = _gen("split-bad")
+    x, w = _act(3, d["H"], d["L"], g, BF16, device), _plain_w(d["H"], d["L"], d["V"], g)
+    a = prepare(x, w.to(device))
+    chunks = d["L"] // 16
+    with pytest.raises(ValueError, match="SPLIT=.* does not divide"):
+        launch_mod.plan(a, cfg=dict(BLOCK_K=16, SPLIT=2 * chunks))
+    with pytest.raises(ValueError, match="SPLIT: expected a power of two"):
+        launch_mod.plan(a, cfg=dict(SPLIT=3))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("out", ["act", "fp8", "fp8-ue8m0"])
 @pytest.mark.parametrize("N", [1, 8, 64, 300])

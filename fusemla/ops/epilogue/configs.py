@@ -1,7 +1,9 @@
 """Tiles of the epilogue kernel: per backend and batch bucket, the one place that picks them.
 
-Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows and one of three
-batch buckets, never on the token count, so a serving loop compiles at most three variants per
+``SPLIT`` (default 1) cuts each item's latent into that many programs whose partial sums meet
+in a workspace (the last to arrive adds them in order: deterministic); the tables do not pick it
+yet (benchmarks sweep it with ``cfg``). Keyed on the output kind (bf16 / FP8 with its group), the
+weight's block rows and one of three batch buckets, never on the token count, so a serving loop compiles at most three variants per
 format. Under the Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide
 V tiles, 32-row latent chunks), so CPU tests run several V tiles, token tiles and chunks.
 """
@@ -92,7 +94,7 @@ def tiles(
         bk = min(bk, _pow2_divisor(block_k))  # a chunk lies inside one block of rows
     while bt * bv > _MAX_ACC and bt > 16:
         bt //= 2
-    cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=1)
     budget = _SMEM_BUDGET.get(backend)
     while budget is not None and smem_bytes(cfg, w_bytes, group is not None) > budget:
         if cfg["BLOCK_K"] > 32:
@@ -119,6 +121,9 @@ def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
         raise ValueError(f"BLOCK_V={cfg['BLOCK_V']} does not hold whole groups of {group}")
     if block_k is not None and block_k % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} straddles the weight's {block_k}-row blocks")
+    split = cfg.get("SPLIT", 1)
+    if not isinstance(split, int) or split < 1 or split & (split - 1):
+        raise ValueError(f"SPLIT: expected a power of two >= 1, got {split!r}")
 
 
 @contextlib.contextmanager

@@ -16,6 +16,11 @@ max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two
 ``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (IEEE division) on the e4m3 grid, ties to even;
 :mod:`fusemla.reference.epilogue` states the same rule in PyTorch.
 
+``SPLIT`` > 1: each item's latent is cut among SPLIT programs; each writes its fp32 partial
+product to a workspace ``[SPLIT, N, H*V]``, then bumps the item's arrival counter (acquire /
+release); the last to arrive adds the SPLIT partials in split order (so the sum does not depend
+on which program is last), finishes the item, and resets its counter to 0.
+
 ``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
 written by the kernel before, so they overlap it); the activations only after it.
 """
@@ -63,92 +68,37 @@ def _pow2_ceil(s):
     return (exp << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["N"])  # one binary per tile bucket, whatever the token count
-def mla_epilogue_kernel(
-    p_x,
-    s_x_t,
-    s_x_h,
-    p_w,
-    s_w_h,
-    s_w_k,
-    s_w_v,
-    p_ws,
-    s_ws_h,
-    s_ws_k,
-    s_ws_v,
+@triton.jit
+def _finish(
+    acc,
+    i_h,
+    i_v,
+    o_t64,
+    m_t,
+    o_c,
+    m_o,
+    p_wsh,
     p_o,
     s_o_t,
     p_os,
     s_os_t,
     s_os_g,
-    N,
-    L: tl.constexpr,
     V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     W_FMT: tl.constexpr,
-    W_BK: tl.constexpr,
-    W_BN: tl.constexpr,
     OUT_FP8: tl.constexpr,
     FMAX: tl.constexpr,
     GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
     EPS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
     FIX_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
-    scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
-    scales."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    if DOT_FP32:  # the interpreter's dot in fp32
-        DOT_TY: tl.constexpr = tl.float32
-    else:
-        DOT_TY: tl.constexpr = p_x.dtype.element_ty
-    NV: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
-    NK: tl.constexpr = (L + BLOCK_K - 1) // BLOCK_K
-    pid = tl.program_id(0)
-    n_t = tl.cdiv(N, BLOCK_T)
-    i_t = pid % n_t
-    i_v = pid // n_t % NV
-    i_h = (pid // n_t // NV).to(tl.int64)
-
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_t < N
-    o_t64 = o_t.to(tl.int64)
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_v = o_v < V
-    o_k = tl.arange(0, BLOCK_K)
-    p_wh = p_w + i_h * s_w_h
-    p_xh = p_x + i_h * s_x_h
-    p_wsh = p_ws + i_h * s_ws_h
-
-    # the first chunk peeled: its weights are read before waiting on the kernel before (PDL)
-    b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_k, o_k < L, o_v, m_v, DOT_TY)
-    if USE_PDL:
-        gdc_wait()
-    b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_k, o_k < L, DOT_TY)
-    acc = tl.dot(b_x, b_w)
-    if W_FMT == 2:
-        acc = acc * _block_scales(p_wsh, s_ws_k, s_ws_v, 0, o_v, m_v, W_BK, W_BN)[None, :]
-    for i_k in range(1, NK):
-        o_kk = i_k * BLOCK_K + o_k
-        m_k = o_kk < L
-        b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
-        b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
-        if W_FMT == 2:
-            b_s = _block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
-            acc += tl.dot(b_x, b_w) * b_s[None, :]
-        else:
-            acc = tl.dot(b_x, b_w, acc=acc)
+    """The item's whole fp32 product ``acc`` [BLOCK_T, BLOCK_V] -> o_proj's input: the
+    per-tensor / per-head weight scale, then the activations' dtype, or FP8 codes and one
+    scale per row and group."""
     if W_FMT == 1:
         acc = acc * tl.load(p_wsh).to(tl.float32)
-
-    o_c = i_h * V + o_v  # the output's columns (h * V + v)
-    m_o = m_t[:, None] & m_v[None, :]
     p_out = p_o + o_t64[:, None] * s_o_t + o_c[None, :]
     if OUT_FP8 != 0:
         NG: tl.constexpr = BLOCK_V // GROUP
@@ -170,3 +120,162 @@ def mla_epilogue_kernel(
         )
     else:
         tl.store(p_out, cast_rne(acc, p_o.dtype.element_ty, FIX_BF16), mask=m_o)
+
+
+@triton.jit(do_not_specialize=["N"])  # one binary per tile bucket, whatever the token count
+def mla_epilogue_kernel(
+    p_x,
+    s_x_t,
+    s_x_h,
+    p_w,
+    s_w_h,
+    s_w_k,
+    s_w_v,
+    p_ws,
+    s_ws_h,
+    s_ws_k,
+    s_ws_v,
+    p_o,
+    s_o_t,
+    p_os,
+    s_os_t,
+    s_os_g,
+    p_wk,
+    s_wk_s,
+    s_wk_t,
+    p_cnt,
+    N,
+    L: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_FMT: tl.constexpr,
+    W_BK: tl.constexpr,
+    W_BN: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    FMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EPS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
+    scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
+    scales."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    if DOT_FP32:  # the interpreter's dot in fp32
+        DOT_TY: tl.constexpr = tl.float32
+    else:
+        DOT_TY: tl.constexpr = p_x.dtype.element_ty
+    NV: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
+    NK: tl.constexpr = (L + BLOCK_K - 1) // BLOCK_K
+    NKS: tl.constexpr = NK // SPLIT  # latent chunks per split (the plan makes SPLIT divide NK)
+    pid = tl.program_id(0)
+    i_s = pid % SPLIT  # this program's share of the latent
+    item = pid // SPLIT
+    n_t = tl.cdiv(N, BLOCK_T)
+    i_t = item % n_t
+    i_v = item // n_t % NV
+    i_h = (item // n_t // NV).to(tl.int64)
+
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < N
+    o_t64 = o_t.to(tl.int64)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_v = o_v < V
+    o_k = tl.arange(0, BLOCK_K)
+    p_wh = p_w + i_h * s_w_h
+    p_xh = p_x + i_h * s_x_h
+    p_wsh = p_ws + i_h * s_ws_h
+
+    # the first chunk peeled: its weights are read before waiting on the kernel before (PDL)
+    k0 = i_s * NKS * BLOCK_K
+    o_k0 = k0 + o_k
+    b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_k0, o_k0 < L, o_v, m_v, DOT_TY)
+    if USE_PDL:
+        gdc_wait()
+    b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY)
+    acc = tl.dot(b_x, b_w)
+    if W_FMT == 2:
+        acc = acc * _block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
+    for i_k in range(i_s * NKS + 1, (i_s + 1) * NKS):
+        o_kk = i_k * BLOCK_K + o_k
+        m_k = o_kk < L
+        b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
+        b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
+        if W_FMT == 2:
+            b_s = _block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
+            acc += tl.dot(b_x, b_w) * b_s[None, :]
+        else:
+            acc = tl.dot(b_x, b_w, acc=acc)
+    o_c = i_h * V + o_v  # the output's columns (h * V + v)
+    m_o = m_t[:, None] & m_v[None, :]
+    if SPLIT == 1:
+        _finish(
+            acc,
+            i_h,
+            i_v,
+            o_t64,
+            m_t,
+            o_c,
+            m_o,
+            p_wsh,
+            p_o,
+            s_o_t,
+            p_os,
+            s_os_t,
+            s_os_g,
+            V,
+            BLOCK_T,
+            BLOCK_V,
+            W_FMT,
+            OUT_FP8,
+            FMAX,
+            GROUP,
+            UE8M0,
+            EPS,
+            FIX_BF16,
+        )
+    else:
+        # the item's SPLIT partial sums meet in the workspace; the last to arrive adds them in
+        # split order (the same sum whichever program is last: deterministic), finishes, and
+        # resets the item's counter for the next launch
+        p_part = p_wk + o_t64[:, None] * s_wk_t + o_c[None, :]
+        tl.store(p_part + i_s * s_wk_s, acc, mask=m_o)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(p_cnt + item, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+            for j in tl.static_range(SPLIT):
+                total += tl.load(p_part + j * s_wk_s, mask=m_o, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(p_cnt + item, 0)
+            _finish(
+                total,
+                i_h,
+                i_v,
+                o_t64,
+                m_t,
+                o_c,
+                m_o,
+                p_wsh,
+                p_o,
+                s_o_t,
+                p_os,
+                s_os_t,
+                s_os_g,
+                V,
+                BLOCK_T,
+                BLOCK_V,
+                W_FMT,
+                OUT_FP8,
+                FMAX,
+                GROUP,
+                UE8M0,
+                EPS,
+                FIX_BF16,
+            )

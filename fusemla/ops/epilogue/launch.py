@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 
 from fusemla import config, platform
@@ -34,8 +35,13 @@ class EpiloguePlan:
     bucket: str
     pdl: bool
     cfg: dict
-    n_programs: int
+    n_items: int  # (token tile, V tile, head) items
+    split: int  # programs per item (the latent cut in SPLIT parts; 1: one program per item)
     constexprs: dict
+
+    @property
+    def n_programs(self) -> int:
+        return self.n_items * self.split
 
     @property
     def grid(self) -> tuple[int]:
@@ -62,6 +68,13 @@ def plan(
     if cfg is not None:
         tiles = {**tiles, **cfg}
         configs.check(tiles, group=group, block_k=block[0] or None)
+    split = tiles.get("SPLIT", 1)
+    n_chunks = triton.cdiv(spec.L, tiles["BLOCK_K"])
+    if n_chunks % split:
+        raise ValueError(
+            f"SPLIT={split} does not divide the {n_chunks} latent chunks of BLOCK_K="
+            f"{tiles['BLOCK_K']} (L={spec.L})"
+        )
     pdl = choose_pdl(info)
     interp = backend == "interpreter"
     out_code = fp8_code(args.out.dtype) if spec.fp8_out else 0
@@ -82,12 +95,11 @@ def plan(
         DOT_FP32=interp,
         FIX_BF16=interp,
         USE_PDL=pdl,
+        SPLIT=split,
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
-    n_programs = (
-        triton.cdiv(args.N, tiles["BLOCK_T"]) * triton.cdiv(spec.V, tiles["BLOCK_V"]) * spec.H
-    )
+    n_items = triton.cdiv(args.N, tiles["BLOCK_T"]) * triton.cdiv(spec.V, tiles["BLOCK_V"]) * spec.H
     return EpiloguePlan(
         backend=backend,
         weight_format=fmt,
@@ -96,7 +108,8 @@ def plan(
         bucket=bucket,
         pdl=pdl,
         cfg=tiles,
-        n_programs=n_programs,
+        n_items=n_items,
+        split=split,
         constexprs=constexprs,
     )
 
@@ -118,6 +131,12 @@ def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
     x, o = args.attn_out, args.out
     so = args.scale_out
     p_os, s_os = (so, tuple(so.stride())) if so is not None else (o, (0, 0))
+    if pl.split > 1:  # the partial sums' workspace and the items' arrival counters (zeroed)
+        wk = torch.empty(pl.split, args.N, o.shape[1], dtype=torch.float32, device=o.device)
+        cnt = torch.zeros(pl.n_items, dtype=torch.int32, device=o.device)
+        p_wk, s_wk = wk, (wk.stride(0), wk.stride(1))
+    else:
+        p_wk, s_wk, cnt = o, (0, 0), o
     mla_epilogue_kernel[pl.grid](
         p_x=x,
         s_x_t=x.stride(0),
@@ -135,6 +154,10 @@ def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
         p_os=p_os,
         s_os_t=s_os[0],
         s_os_g=s_os[1],
+        p_wk=p_wk,
+        s_wk_s=s_wk[0],
+        s_wk_t=s_wk[1],
+        p_cnt=cnt,
         N=args.N,
         **pl.constexprs,
         **({"launch_pdl": True} if pl.pdl else {}),
