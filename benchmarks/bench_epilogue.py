@@ -106,6 +106,20 @@ def layer_weights(H: int, dims: dict, device: str, seed: int):
     return bf16.transpose(0, 1).contiguous().transpose(0, 1), w_uv
 
 
+def all_layer_weights(b: Bench, H: int) -> list:
+    """Every layer's (bf16, block-FP8) W_UV, seeded per head count and layer."""
+    return [layer_weights(H, b.dims, b.device, stable_seed("epi-w", H, i)) for i in range(b.layers)]
+
+
+def attention_outputs(b: Bench, H: int, B: int) -> list:
+    """Every layer's attention output [B, H, L] bf16, seeded per head count and batch."""
+    g = torch.Generator().manual_seed(stable_seed("epi-x", H, B))
+    return [
+        torch.randn(B, H, b.dims["L"], generator=g).to(torch.bfloat16).to(b.device)
+        for _ in range(b.layers)
+    ]
+
+
 def fused_runner(x, w, out_fp8: bool, group: int, cfg=None) -> Runner:
     args = prepare(x, w, out_dtype=FP8 if out_fp8 else None, group_size=group)
     outs = [args.out] + ([args.scale_out] if out_fp8 else [])
@@ -219,17 +233,10 @@ def bmm_check(runners: list[Runner], xs, ws, group: int):
 def rows(b: Bench, a, vllm_quant) -> None:
     qname, quant = quant_fn(vllm_quant, a.group)
     b.header["baseline_quant"] = qname
-    dims = b.dims
     for H in a.heads:
-        layers = [
-            layer_weights(H, dims, b.device, stable_seed("epi-w", H, i)) for i in range(b.layers)
-        ]
+        layers = all_layer_weights(b, H)
         for B in a.batches:
-            g = torch.Generator().manual_seed(stable_seed("epi-x", H, B))
-            xs = [
-                torch.randn(B, H, dims["L"], generator=g).to(torch.bfloat16).to(b.device)
-                for _ in range(b.layers)
-            ]
+            xs = attention_outputs(b, H, B)
             for out in ("bf16", "fp8"):
                 fp8 = out == "fp8"
                 base = [
@@ -265,15 +272,9 @@ def sweep(b: Bench, a, vllm_quant) -> None:
         for sp in (1, 2, 4)
     ]
     for H in a.heads:
-        layers = [
-            layer_weights(H, dims, b.device, stable_seed("epi-w", H, i))[1] for i in range(b.layers)
-        ]
+        layers = [w[1] for w in all_layer_weights(b, H)]
         for B in a.sweep_batches:
-            g = torch.Generator().manual_seed(stable_seed("epi-x", H, B))
-            xs = [
-                torch.randn(B, H, dims["L"], generator=g).to(torch.bfloat16).to(b.device)
-                for _ in range(b.layers)
-            ]
+            xs = attention_outputs(b, H, B)
             for out in ("bf16", "fp8"):
                 fp8 = out == "fp8"
                 best = None

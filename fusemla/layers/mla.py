@@ -516,8 +516,9 @@ class MLAAttention(nn.Module):
         H, P, L, V = self.H, self.P, self.L, self.V
         N = md.num_tokens
         q_nope, q_pe = q[..., :P], q[..., P:]
+        flags = self.flags()  # the environment read once per call
         dec_q, pre_q_pe = self._prologue(
-            q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied
+            q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied, flags
         )
         parts = []
         dec, pre = md.decode, md.prefill
@@ -531,7 +532,7 @@ class MLAAttention(nn.Module):
                 kv_scale,
                 kv_lora_rank=L,
             )
-            if self.flags()[0]:  # fused: the epilogue kernel writes o_proj's input [D, H*V]
+            if flags[0]:  # fused: the epilogue kernel writes o_proj's input [D, H*V]
                 from fusemla.ops.epilogue.api import mla_epilogue_step
 
                 o = mla_epilogue_step(self._epilogue_spec(), o.to(self.dtype))
@@ -566,7 +567,7 @@ class MLAAttention(nn.Module):
     # ------------------------------------------------------------------------------ internals
 
     def _prologue(
-        self, q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied
+        self, q_nope, q_pe, kv_c, k_pe, positions, md, kv_cache, kv_scale, rope_applied, flags
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's only RoPE and cache write: ``(q [D, H, L+R], rotated q_pe [N-D, H, R])``.
 
@@ -579,7 +580,7 @@ class MLAAttention(nn.Module):
         N, D = md.num_tokens, md.num_decode_tokens
         spec = self._spec()
         dec_q = pre_q_pe = None
-        for span in split_halves(N, D, *self.flags()).spans:
+        for span in split_halves(N, D, *flags).spans:
             if (span.lo, span.hi) == (0, N):
                 slots = md.slot_mapping
             else:

@@ -693,8 +693,7 @@ def test_forced_tiles_match_reference(device):
 def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights, split):
     """SPLIT programs per item, their partial sums meeting in a workspace: the result agrees
     with the reference, is bit-identical from run to run (the last program adds the parts in
-    split order), and the items' counters are reset for the next launch (a second launch on the
-    same arguments gives the same bytes)."""
+    split order): a second launch on the same arguments gives the same bytes."""
     d = _dims(device)
     g = _gen("split", weights, split)
     H, L, V = d["H"], d["L"], d["V"]

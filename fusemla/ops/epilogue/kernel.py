@@ -19,7 +19,7 @@ max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two
 ``SPLIT`` > 1: each item's latent is cut among SPLIT programs; each writes its fp32 partial
 product to a workspace ``[SPLIT, N, H*V]``, then bumps the item's arrival counter (acquire /
 release); the last to arrive adds the SPLIT partials in split order (so the sum does not depend
-on which program is last), finishes the item, and resets its counter to 0.
+on which program is last) and finishes the item. The launcher zeroes the counters per launch.
 
 ``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
 written by the kernel before, so they overlap it); the activations only after it.
@@ -215,7 +215,19 @@ def mla_epilogue_kernel(
             acc = tl.dot(b_x, b_w, acc=acc)
     o_c = i_h * V + o_v  # the output's columns (h * V + v)
     m_o = m_t[:, None] & m_v[None, :]
-    if SPLIT == 1:
+    last = True  # this program finishes the item (the only one, or the last of SPLIT)
+    if SPLIT > 1:
+        # the item's SPLIT partial sums meet in the workspace; the last to arrive adds them in
+        # split order (the same sum whichever program is last: deterministic) and finishes
+        p_part = p_wk + o_t64[:, None] * s_wk_t + o_c[None, :]
+        tl.store(p_part + i_s * s_wk_s, acc, mask=m_o)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        last = tl.atomic_add(p_cnt + item, 1, sem="acq_rel") == SPLIT - 1
+        if last:
+            acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+            for j in tl.static_range(SPLIT):
+                acc += tl.load(p_part + j * s_wk_s, mask=m_o, other=0.0, cache_modifier=".cg")
+    if last:
         _finish(
             acc,
             i_h,
@@ -241,41 +253,3 @@ def mla_epilogue_kernel(
             EPS,
             FIX_BF16,
         )
-    else:
-        # the item's SPLIT partial sums meet in the workspace; the last to arrive adds them in
-        # split order (the same sum whichever program is last: deterministic), finishes, and
-        # resets the item's counter for the next launch
-        p_part = p_wk + o_t64[:, None] * s_wk_t + o_c[None, :]
-        tl.store(p_part + i_s * s_wk_s, acc, mask=m_o)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(p_cnt + item, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-            for j in tl.static_range(SPLIT):
-                total += tl.load(p_part + j * s_wk_s, mask=m_o, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(p_cnt + item, 0)
-            _finish(
-                total,
-                i_h,
-                i_v,
-                o_t64,
-                m_t,
-                o_c,
-                m_o,
-                p_wsh,
-                p_o,
-                s_o_t,
-                p_os,
-                s_os_t,
-                s_os_g,
-                V,
-                BLOCK_T,
-                BLOCK_V,
-                W_FMT,
-                OUT_FP8,
-                FMAX,
-                GROUP,
-                UE8M0,
-                EPS,
-                FIX_BF16,
-            )
