@@ -269,17 +269,20 @@ def sweep(b: Bench, a, vllm_quant) -> None:
         for bv in (32, 64, 128)
         for bk in ((16,) if b.smoke else (64, 128))
         for nw, ns in ((4, 3), (8, 3), (4, 2))
-        for sp in (1, 2, 4)
+        for sp in (1, 2, 4, 8)
     ]
     for H in a.heads:
-        layers = [w[1] for w in all_layer_weights(b, H)]
+        weights = all_layer_weights(b, H)
         for B in a.sweep_batches:
             xs = attention_outputs(b, H, B)
-            for out in ("bf16", "fp8"):
+            # (out, W_UV): bf16 out of bf16 W (vLLM's own W_UV), FP8 out of bf16 W (the
+            # plugin's default FP8 handoff) and of block-FP8 W (FUSEMLA_VLLM_W_UK=stored)
+            for out, w_name in (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8_block")):
                 fp8 = out == "fp8"
+                layers = [w[0] if w_name == "bf16" else w[1] for w in weights]
+                blk = layers[0].block[0] if w_name == "fp8_block" else 128
                 best = None
                 for cfg in grid:
-                    blk = layers[0].block[0]
                     if (
                         (fp8 and cfg["BLOCK_V"] < a.group)
                         or cfg["BLOCK_T"] > max(16, 4 * B)
@@ -297,14 +300,17 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                             rep=100,
                         )
                     except Exception as e:  # noqa: BLE001 - a config that fails is recorded
-                        b.sweep_skipped.append(dict(H=H, B=B, out=out, cfg=cfg, error=str(e)[:200]))
+                        b.sweep_skipped.append(
+                            dict(H=H, B=B, out=out, w_dtype=w_name, cfg=cfg, error=str(e)[:200])
+                        )
                         continue
-                    b.sweep.append(dict(H=H, B=B, out=out, w_dtype="fp8_block", cfg=cfg, us=us))
+                    b.sweep.append(dict(H=H, B=B, out=out, w_dtype=w_name, cfg=cfg, us=us))
                     if best is None or us < best[0]:
                         best = (us, cfg)
                 if best:
                     print(
-                        f"   sweep H={H} B={B} {out}: best {best[0]:.2f} us {best[1]}", flush=True
+                        f"   sweep H={H} B={B} {out} W {w_name}: best {best[0]:.2f} us {best[1]}",
+                        flush=True,
                     )
         b.save()
 

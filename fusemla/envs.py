@@ -160,8 +160,11 @@ VARIABLES: dict[str, EnvVar] = {
             "as-is",
             "The W_UK_T the plugin's fused decode BMM reads: as-is (vLLM's own bf16/fp16 tensor, "
             "read in place), fp8 (quantized per head, once per layer), fp8xfp8 (also FP8 "
-            "activations in the kernel, an FP8 x FP8 dot). fp8 and fp8xfp8 change the numbers.",
-            values=_choice("as-is", "fp8", "fp8xfp8", as_is="as-is"),
+            "activations in the kernel, an FP8 x FP8 dot), stored (a block-FP8 checkpoint's "
+            "kv_b_proj codes and block scales as stored, for W_UK_T and, with the epilogue, "
+            "W_UV; other checkpoints keep as-is, with the reason logged). fp8, fp8xfp8 and "
+            "stored change the numbers.",
+            values=_choice("as-is", "fp8", "fp8xfp8", "stored", as_is="as-is"),
             renamed={"auto": "'auto' is now called 'as-is' (vLLM's weight as it is)"},
             read="once per vLLM process and layer",
         ),
@@ -173,6 +176,17 @@ VARIABLES: dict[str, EnvVar] = {
             "o_proj's input, bf16) instead of vLLM's _v_up_proj bmm. Off by default until "
             "verified in vLLM on the GPU; fusemla.MLAAttention always runs it with its fused "
             "decode.",
+            read="when vLLM builds a layer",
+        ),
+        EnvVar(
+            "FUSEMLA_VLLM_EPILOGUE_OUT",
+            "choice",
+            "auto",
+            "What the plugin's epilogue hands o_proj: auto (FP8 codes and group scales in the "
+            "layout o_proj's block-FP8 GEMM reads, skipping o_proj's own input quantization, "
+            "where o_proj is such a linear; bf16 elsewhere, with the reason logged) or bf16 "
+            "(always the activations' dtype, o_proj quantizes as it does in vLLM).",
+            values=_choice("auto", "bf16"),
             read="when vLLM builds a layer",
         ),
         EnvVar(

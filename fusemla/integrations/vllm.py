@@ -22,6 +22,12 @@ What it changes, per MLA layer (vLLM's ``MultiHeadLatentAttentionWrapper``, swap
   the decode tokens' W_UV projection is fusemla's epilogue kernel
   (:func:`fusemla.mla_epilogue_step`, written in place into o_proj's input) instead of vLLM's
   ``_v_up_proj`` bmm; a layer whose W_UV it cannot read keeps vLLM's, with the reason logged.
+  Where o_proj is a block-FP8 linear (an FP8 checkpoint) whose input quantization the epilogue
+  can do (``VllmAdapter.o_proj_fp8_route``: per-token groups, plain row- or column-major
+  fp32 scales), the layer runs ``torch.ops.fusemla.vllm_mla_attention_fp8`` instead: the
+  epilogue writes o_proj's input as FP8 codes + group scales in that GEMM's layout, rows it does
+  not write (prefill, vLLM's path) go through o_proj's own quantization, and the wrapper calls
+  o_proj's block-FP8 GEMM on them (``FUSEMLA_VLLM_EPILOGUE_OUT=bf16``: always bf16).
 
 ``FUSEMLA_FUSED_DECODE=0`` / ``FUSEMLA_FUSED_PREFILL=0`` hand that half back to vLLM's own code
 (vLLM's rotary embedding, cache write and decode BMM / prefill attention) inside the same op; both
@@ -41,7 +47,9 @@ uses.
 fused decode BMM reads: ``fp8`` quantizes vLLM's W_UK_T to FP8 per head (once per layer, at its
 first fused step, and again if vLLM replaces or reloads the weight) and runs FP8 weights with
 the activations as they are; ``fp8xfp8`` also quantizes the activations in the kernel
-(``act_quant="fp8"``, an FP8 x FP8 dot). Both change the numbers (docs/results.md: FUSEMLA_VLLM_W_UK against vLLM's bf16 path);
+(``act_quant="fp8"``, an FP8 x FP8 dot); ``stored`` reads a block-FP8 checkpoint's
+``kv_b_proj`` codes and block scales as stored, for W_UK_T and (with the epilogue) W_UV
+(:func:`fusemla.quant.split_kv_b_proj_fp8`; another checkpoint keeps ``as-is``, logged). They change the numbers (docs/results.md: FUSEMLA_VLLM_W_UK against vLLM's bf16 path);
 vLLM's own path (decode half off, fallbacks, prefill) keeps vLLM's weights.
 
 Importing this module does not import vLLM; :func:`register` does.
@@ -66,8 +74,10 @@ SUPPORTED_VLLM = tuple(ADAPTERS)  # the vLLM minor versions with an adapter ("0.
 OP_NAME = "fusemla::vllm_mla_attention"
 ENV_SWITCH = "FUSEMLA_VLLM"
 W_UK_ENV = "FUSEMLA_VLLM_W_UK"
-W_UK_MODES = ("as-is", "fp8", "fp8xfp8")
+W_UK_MODES = ("as-is", "fp8", "fp8xfp8", "stored")
 EPILOGUE_ENV = "FUSEMLA_VLLM_EPILOGUE"
+EPILOGUE_OUT_ENV = "FUSEMLA_VLLM_EPILOGUE_OUT"
+OP_NAME_FP8 = "fusemla::vllm_mla_attention_fp8"
 
 logger = logging.getLogger("vllm.fusemla")  # replaced by vLLM's own logger in register()
 
@@ -81,8 +91,8 @@ _adapter: VllmAdapter | None = None  # the running vLLM's, set by register()
 
 
 def w_uk_mode() -> str:
-    """``FUSEMLA_VLLM_W_UK``: "as-is" (default), "fp8" or "fp8xfp8"; read when layers are
-    built. The old spelling "auto" raises, naming "as-is"."""
+    """``FUSEMLA_VLLM_W_UK``: "as-is" (default), "fp8", "fp8xfp8" or "stored"; read when
+    layers are built. The old spelling "auto" raises, naming "as-is"."""
     return envs.get(W_UK_ENV)
 
 
@@ -109,7 +119,13 @@ def stats() -> dict[str, int]:
     ``no_metadata_calls``: profile / dummy runs (vLLM's path); ``fallback_calls``: steps run on
     vLLM's path for a runtime reason (logged once); ``spec_builds``: layer specs built (once
     per layer, again when vLLM replaces or reloads a source tensor), ``spec_builds_in_capture``
-    the ones built inside a CUDA graph capture (0 when :meth:`_LayerState.prebuild` ran).
+    the ones built inside a CUDA graph capture (0 when :meth:`_LayerState.prebuild` ran);
+    ``layers_epilogue_fp8`` / ``layers_epilogue_bf16``: epilogue layers built to hand o_proj
+    FP8 codes + group scales (``FUSEMLA_VLLM_EPILOGUE_OUT=auto``, a block-FP8 o_proj) / bf16;
+    ``epilogue_fp8_tokens``: decode tokens the epilogue wrote as FP8; ``o_proj_quant_rows``:
+    rows of an FP8-handoff layer quantized by o_proj's own quantization (prefill, vLLM's
+    path); ``stored_builds``: W_UK_T / W_UV pairs read from a block-FP8 ``kv_b_proj`` as stored
+    (``FUSEMLA_VLLM_W_UK=stored``).
     """
     return dict(_stats)
 
@@ -178,6 +194,7 @@ def register() -> None:
         # the op reads per-step metadata, so it must run outside captured graph pieces, like
         # vLLM's own attention ops (a user's explicit splitting_ops must name it)
         adapter.add_splitting_op(OP_NAME)
+        adapter.add_splitting_op(OP_NAME_FP8)
         _wrapper_cls = _make_wrapper_class(base)
         adapter.register_wrapper(base, _wrapper_cls)
         _registered = True
@@ -207,6 +224,25 @@ def _register_op() -> None:
 
     @vllm_mla_attention.register_fake
     def _fake(q, kv_c_normed, k_pe, positions, output, layer_name) -> None:
+        return None
+
+    @torch.library.custom_op(OP_NAME_FP8, mutates_args=("output", "codes", "scales"))
+    def vllm_mla_attention_fp8(
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        positions: torch.Tensor,
+        output: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        layer_name: str,
+    ) -> None:
+        """The same, with o_proj's input as FP8 codes + group scales (the FP8 handoff);
+        ``output`` is the bf16 scratch of the rows the epilogue does not write."""
+        _layers[layer_name].run(q, kv_c_normed, k_pe, positions, output, codes, scales)
+
+    @vllm_mla_attention_fp8.register_fake
+    def _fake_fp8(q, kv_c_normed, k_pe, positions, output, codes, scales, layer_name) -> None:
         return None
 
     _op_registered = True
@@ -243,12 +279,13 @@ class _LayerState:
         fused_pre: bool,
         w_uk: str = "as-is",
         epilogue: bool = False,
+        o_fp8: dict | None = None,
     ):
         self.ad = adapter
         self.attn = adapter.attention(wrapper)  # vLLM's MLAAttention (weights, cache, impl)
         self.rotary_emb = adapter.rotary(wrapper)
         dims = adapter.layer_dims(wrapper)
-        self.P, self.R, self.L = dims["P"], dims["R"], dims["L"]
+        self.P, self.R, self.L, self.V = dims["P"], dims["R"], dims["L"], dims["V"]
         self.fused_dec = fused_dec
         self.fused_pre = fused_pre
         self.w_uk = w_uk  # FUSEMLA_VLLM_W_UK
@@ -259,8 +296,56 @@ class _LayerState:
         self.epilogue = epilogue and fused_dec  # FUSEMLA_VLLM_EPILOGUE (decode tokens only)
         self._epi_key = None
         self._epi_spec = None
+        # o_proj's FP8 input (FUSEMLA_VLLM_EPILOGUE_OUT=auto, a block-FP8 o_proj): the op writes
+        # codes + group scales in o_proj's layout and the wrapper calls its GEMM on them
+        self.o_fp8 = o_fp8 if self.epilogue else None
+        self.o_proj = adapter.o_proj(wrapper) if self.o_fp8 is not None else None
+        self._stored_key = None
+        self._stored = None  # (W_UK_T, W_UV) QuantizedWeight, FUSEMLA_VLLM_W_UK=stored
         self._checked = False
         self._reason: str | None = None
+
+    # -- FP8 weights as the checkpoint stores them (FUSEMLA_VLLM_W_UK=stored)
+
+    def stored(self):
+        """``(W_UK_T, W_UV)`` read from vLLM's block-FP8 ``kv_b_proj`` as stored (codes and
+        block scales byte-identical, :func:`fusemla.quant.split_kv_b_proj_fp8`), rebuilt when
+        vLLM replaces it; None (logged once, the layer reads vLLM's own tensors) when the
+        checkpoint is not block-FP8 or its blocks straddle a head."""
+        if self.w_uk != "stored":
+            return None
+        src, why = self.ad.kv_b_proj_fp8(self.attn)
+        if src is not None:
+            key = (tensor_key(src[0]), tensor_key(src[1]), src[2])
+            if key == self._stored_key:
+                return self._stored
+            from fusemla.errors import FuseMLAError
+            from fusemla.quant import split_kv_b_proj_fp8
+
+            H = src[0].shape[0] // (self.P + self.V)
+            try:
+                pair = split_kv_b_proj_fp8(
+                    src[0],
+                    src[1],
+                    num_heads=H,
+                    qk_nope_head_dim=self.P,
+                    v_head_dim=self.V,
+                    block_size=src[2],
+                )
+            except FuseMLAError as e:
+                why = str(e)
+            else:
+                self._stored, self._stored_key = pair, key
+                _stats["stored_builds"] += 1
+                return pair
+        _log_once(
+            logging.WARNING,
+            "fusemla: FUSEMLA_VLLM_W_UK=stored: layer %s reads vLLM's own W_UK_T / W_UV: %s",
+            self.name,
+            why,
+        )
+        self.w_uk = "as-is"
+        return None
 
     # -- the layer's prologue spec (rebuilt when vLLM replaces or reloads a source tensor)
 
@@ -272,15 +357,19 @@ class _LayerState:
 
         w = self.ad.w_uk_t(self.attn)
         cache = self.ad.cos_sin_cache(self.rotary_emb)
+        stored = self.stored()
         key = (
             tensor_key(w),
             tensor_key(cache),
             None if fp8_query is None else (fp8_query[0], id(fp8_query[1])),
+            None if stored is None else id(stored[0]),
         )
         if key != self._spec_key:
             from fusemla.rope import split_cos_sin_cache
 
-            if self.w_uk == "as-is":
+            if stored is not None:
+                w_fused = stored[0]  # block-FP8 W_UK_T as the checkpoint stores it
+            elif self.w_uk == "as-is":
                 # vLLM keeps W_UK_T as a permuted view [H, P, L] of W_UK [L, H, P] (stride 1
                 # along P): the kernel reads it as it is, no copy (any other layout: one copy)
                 w_fused = w if weight_layout_readable(w) else w.contiguous()
@@ -307,14 +396,28 @@ class _LayerState:
 
     def epilogue_spec(self):
         """The :class:`~fusemla.contracts.epilogue.EpilogueSpec` of this layer: vLLM's W_UV
-        (read in place when its layout allows, else one copy), bf16/fp16 output into o_proj's
-        input; rebuilt when vLLM replaces or reloads W_UV."""
+        (read in place when its layout allows, else one copy) or, with
+        ``FUSEMLA_VLLM_W_UK=stored``, the checkpoint's block-FP8 W_UV; output into o_proj's
+        input: bf16/fp16, or FP8 codes and group scales in o_proj's layout (:attr:`o_fp8`);
+        rebuilt when vLLM replaces or reloads a source tensor."""
         from fusemla.contracts.epilogue import build_spec, weight_layout_readable
 
         w = self.ad.w_uv(self.attn)
-        key = tensor_key(w)
+        stored = self.stored()
+        key = (tensor_key(w), None if stored is None else id(stored[1]))
         if key != self._epi_key:
-            self._epi_spec = build_spec(w if weight_layout_readable(w) else w.contiguous())
+            if stored is not None:
+                w_epi = stored[1]
+            else:
+                w_epi = w if weight_layout_readable(w) else w.contiguous()
+            r = self.o_fp8
+            self._epi_spec = build_spec(
+                w_epi,
+                out_dtype=None if r is None else r["dtype"],
+                group_size=128 if r is None else r["group_size"],
+                scale_ue8m0=False if r is None else r["ue8m0"],
+                scale_col_major=False if r is None else r["col_major"],
+            )
             self._epi_key = key
             _stats["spec_builds"] += 1
             if _capturing():
@@ -409,19 +512,35 @@ class _LayerState:
 
     # -- one step
 
-    def run(self, q, kv_c, k_pe, positions, output) -> None:
+    def run(self, q, kv_c, k_pe, positions, output, codes=None, scales=None) -> None:
+        """One step. ``codes`` / ``scales`` (the FP8 handoff, :attr:`o_fp8`): o_proj's input
+        as FP8 codes and group scales in its GEMM's layout, every row of the step written:
+        the epilogue's decode rows directly, any other row (prefill, vLLM's path) as bf16 in
+        ``output`` first, then through o_proj's own quantization."""
         md, slots = self.ad.step_context(self.name)
         kv_cache = self.ad.kv_cache(self.attn)
         if md is None or slots is None or kv_cache.numel() == 0:
             _stats["no_metadata_calls"] += 1
             self.vllm_path(q, kv_c, k_pe, positions, output, md, slots)
+            self.quantize_rows(output, codes, scales, 0, output.shape[0])
             self.prebuild()
             return
         if self.runtime_reason(q, kv_cache) is not None:
             _stats["fallback_calls"] += 1
             self.vllm_path(q, kv_c, k_pe, positions, output, md, slots)
+            self.quantize_rows(output, codes, scales, 0, output.shape[0])
             return
-        self.fused_path(q, kv_c, k_pe, positions, output, md, slots, kv_cache)
+        self.fused_path(q, kv_c, k_pe, positions, output, md, slots, kv_cache, codes, scales)
+
+    def quantize_rows(self, output, codes, scales, lo: int, hi: int) -> None:
+        """Rows ``[lo, hi)`` of the bf16 ``output`` into ``codes`` / ``scales`` through
+        o_proj's own input quantization (what vLLM's o_proj would have run on them)."""
+        if codes is None or hi <= lo:
+            return
+        c, sc = self.ad.o_proj_quantize(self.o_proj, output[lo:hi])
+        codes[lo:hi].copy_(c)
+        scales[lo:hi].copy_(sc)
+        _stats["o_proj_quant_rows"] += hi - lo
 
     def vllm_rope(self, positions, q, k_pe):
         """vLLM's own rotation of a copy of ``q`` (q_pe part) and of ``k_pe`` ([n, 1, R])."""
@@ -439,7 +558,9 @@ class _LayerState:
         q, k_pe = self.vllm_rope(positions, q, k_pe)
         self.ad.own_path(self.attn, q, kv_c, k_pe, md, slots, output)
 
-    def fused_path(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache) -> None:
+    def fused_path(
+        self, q, kv_c, k_pe, positions, output, md, slots, kv_cache, codes=None, scales=None
+    ) -> None:
         from fusemla.ops.prologue.halves import split_halves
 
         ad, a = self.ad, self.attn
@@ -503,19 +624,26 @@ class _LayerState:
         # -- attention: vLLM's own kernels
         if n > D:
             ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
+        self.quantize_rows(output, codes, scales, D, n)
         if D > 0:
             if split.decode_fused and self.epilogue:
                 from fusemla.ops.epilogue.api import mla_epilogue_step
 
-                o = ad.decode_mqa(a, q_dec, cache, md)
-                mla_epilogue_step(self.epilogue_spec(), o.view(D, -1, L), out=output[:D])
+                o = ad.decode_mqa(a, q_dec, cache, md).view(D, -1, L)
+                if codes is not None:  # FP8 codes + group scales straight into o_proj's input
+                    mla_epilogue_step(self.epilogue_spec(), o, out=codes[:D], scale_out=scales[:D])
+                    _stats["epilogue_fp8_tokens"] += D
+                else:
+                    mla_epilogue_step(self.epilogue_spec(), o, out=output[:D])
                 _stats["epilogue_calls"] += 1
                 _stats["epilogue_tokens"] += D
-            elif split.decode_fused:
-                ad.decode_attention(a, q_dec, cache, md, output[:D])
             else:
-                # vLLM's decode path (BMM, concat, MQA, W_UV) on the decode tokens alone
-                ad.own_attention(a, q_d, kv_c[:D], k_d, kv_cache, md, output[:D])
+                if split.decode_fused:
+                    ad.decode_attention(a, q_dec, cache, md, output[:D])
+                else:
+                    # vLLM's decode path (BMM, concat, MQA, W_UV) on the decode tokens alone
+                    ad.own_attention(a, q_d, kv_c[:D], k_d, kv_cache, md, output[:D])
+                self.quantize_rows(output, codes, scales, 0, D)
 
 
 def _capturing() -> bool:
@@ -539,7 +667,9 @@ def _structural_reason(w) -> str | None:
     )
 
 
-def _mark_compile_cache(dec: bool, pre: bool, w_uk: str, epilogue: bool = False) -> None:
+def _mark_compile_cache(
+    dec: bool, pre: bool, w_uk: str, epilogue: bool = False, epilogue_out: str = "bf16"
+) -> None:
     """Put the plugin into vLLM's config hash, so vLLM's on-disk torch.compile (AOT) cache never
     hands a graph traced with the plugin to a process without it, or the other way round.
 
@@ -559,6 +689,7 @@ def _mark_compile_cache(dec: bool, pre: bool, w_uk: str, epilogue: bool = False)
             "fused_prefill": pre,
             "w_uk": w_uk,
             "epilogue": epilogue,
+            "epilogue_out": epilogue_out,
         },
     )
 
@@ -586,11 +717,19 @@ def _make_wrapper_class(base: type) -> type:
                 )
                 return
             w_uk = w_uk_mode()
-            epilogue = envs.get(EPILOGUE_ENV)
+            epilogue = envs.get(EPILOGUE_ENV) and dec
+            o_fp8 = None
+            if epilogue and envs.get(EPILOGUE_OUT_ENV) == "auto":
+                o_fp8, why = _adapter.o_proj_fp8_route(self)
+                if o_fp8 is None:
+                    _log_once(logging.INFO, "fusemla: the epilogue hands o_proj bf16: %s", why)
             _stats["layers_fused"] += 1
-            state = _LayerState(_adapter, self, dec, pre, w_uk, epilogue)
+            state = _LayerState(_adapter, self, dec, pre, w_uk, epilogue, o_fp8)
             _layers[state.name] = state
             self._fusemla_layer_name = state.name
+            self._fusemla_o_fp8 = state.o_fp8
+            if state.epilogue:
+                _stats["layers_epilogue_fp8" if state.o_fp8 else "layers_epilogue_bf16"] += 1
             # logged here, not in register(): vLLM may configure its loggers after plugins load
             _log_once(
                 logging.INFO,
@@ -600,23 +739,35 @@ def _make_wrapper_class(base: type) -> type:
                 dec,
                 pre,
                 w_uk,
-                state.epilogue,
+                f"FP8 into o_proj ({state.o_fp8['kernel']})"
+                if state.o_fp8
+                else ("bf16" if state.epilogue else "off"),
             )
-            _mark_compile_cache(dec, pre, w_uk, state.epilogue)
+            _mark_compile_cache(dec, pre, w_uk, state.epilogue, "fp8" if state.o_fp8 else "bf16")
 
         def forward(self, positions, hidden_states, llama_4_scaling=None):
             if self._fusemla_reason is not None or llama_4_scaling is not None:
                 return super().forward(positions, hidden_states, llama_4_scaling)
             q, kv_c_normed, k_pe = _adapter.projections(self, hidden_states)
-            output = torch.empty(
-                (hidden_states.shape[0], _adapter.output_width(self)),
-                dtype=q.dtype,
-                device=q.device,
+            T, width = hidden_states.shape[0], _adapter.output_width(self)
+            output = torch.empty((T, width), dtype=q.dtype, device=q.device)
+            r = self._fusemla_o_fp8
+            if r is None:
+                torch.ops.fusemla.vllm_mla_attention(
+                    q, kv_c_normed, k_pe, positions, output, self._fusemla_layer_name
+                )
+                return _adapter.finish(self, output, hidden_states)
+            # the FP8 handoff: o_proj's input as codes + group scales in its GEMM's layout
+            codes = torch.empty((T, width), dtype=r["dtype"], device=q.device)
+            groups = width // r["group_size"]
+            if r["col_major"]:
+                scales = torch.empty((groups, T), dtype=torch.float32, device=q.device).t()
+            else:
+                scales = torch.empty((T, groups), dtype=torch.float32, device=q.device)
+            torch.ops.fusemla.vllm_mla_attention_fp8(
+                q, kv_c_normed, k_pe, positions, output, codes, scales, self._fusemla_layer_name
             )
-            torch.ops.fusemla.vllm_mla_attention(
-                q, kv_c_normed, k_pe, positions, output, self._fusemla_layer_name
-            )
-            return _adapter.finish(self, output, hidden_states)
+            return _adapter.o_proj_fp8(_adapter.o_proj(self), codes, scales)
 
     FuseMLAWrapper.__qualname__ = "FuseMLAWrapper"
     FuseMLAWrapper.__module__ = __name__

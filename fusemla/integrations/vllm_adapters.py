@@ -72,6 +72,17 @@ class VllmAdapter:
         "forward_mha(q, kv_c, k_pe, kv_cache, md, k_scale, output=), "
         "do_kv_cache_update(kv_c, k_pe, kv_cache, slots, dtype, k_scale), "
         "supports_quant_query_input, dcp_world_size",
+        "MLAAttention.kv_b_proj (FUSEMLA_VLLM_W_UK=stored): .weight, .weight_scale_inv, "
+        ".quant_method.weight_block_size",
+        "o_proj (the FP8 handoff): quant_method (.fp8_linear, .block_quant), bias, "
+        "input_is_parallel, reduce_results, tp_size; its fp8_linear (vLLM's "
+        "Fp8BlockScaledMMLinearKernel): apply_input_quant, use_triton, config.out_dtype, "
+        "quant_fp8 (.static, .is_group_quant, .group_size, .use_ue8m0, "
+        ".use_deep_gemm_supported, .column_major_scales, .tma_aligned_scales, "
+        ".num_token_padding, __call__(x, scale, scale_ub, use_triton=)), "
+        "_get_layer_params(layer) (.weight, .block_scale, .input_scale, .input_scale_ub), "
+        "apply_block_scaled_mm(A=, B=, As=, Bs=)",
+        "vllm.distributed.tensor_model_parallel_all_reduce, vllm.envs.VLLM_BATCH_INVARIANT",
     )
 
     # ------------------------------------------------------------------ registration
@@ -166,8 +177,9 @@ class VllmAdapter:
     # ------------------------------------------------------------------ a layer
 
     def layer_dims(self, w) -> dict:
-        """The MLA dims of wrapper ``w``: P, R, L (qk_nope, qk_rope, kv_lora_rank)."""
-        return dict(P=w.qk_nope_head_dim, R=w.qk_rope_head_dim, L=w.kv_lora_rank)
+        """The MLA dims of wrapper ``w``: P, R, L, V (qk_nope, qk_rope, kv_lora_rank,
+        v_head_dim)."""
+        return dict(P=w.qk_nope_head_dim, R=w.qk_rope_head_dim, L=w.kv_lora_rank, V=w.v_head_dim)
 
     def attention(self, w):
         """vLLM's MLAAttention of wrapper ``w`` (weights, cache, impl)."""
@@ -302,6 +314,110 @@ class VllmAdapter:
         if w.g_proj is not None:
             output = output * w.g_proj(hidden_states)[0].sigmoid()
         return w.o_proj(output)[0]
+
+    # ------------------------------------------------------------------ FP8 weights as stored
+
+    def kv_b_proj_fp8(self, attn) -> tuple[tuple | None, str | None]:
+        """``((weight, weight_scale_inv, (bn, bk)), None)`` when vLLM holds the layer's
+        ``kv_b_proj`` as a block-FP8 checkpoint stores it (``[H * (P + V), L]`` FP8 codes and
+        one fp32 scale per ``bn x bk`` block), else ``(None, why)``."""
+        kvb = getattr(attn, "kv_b_proj", None)
+        w = getattr(kvb, "weight", None)
+        s = getattr(kvb, "weight_scale_inv", None)
+        if not isinstance(w, torch.Tensor) or w.dtype not in (
+            torch.float8_e4m3fn,
+            torch.float8_e4m3fnuz,
+        ):
+            return None, f"kv_b_proj's weight is {getattr(w, 'dtype', None)}, not FP8"
+        block = getattr(getattr(kvb, "quant_method", None), "weight_block_size", None)
+        if not isinstance(s, torch.Tensor) or not block or len(block) != 2:
+            return None, "kv_b_proj is FP8 without 2-D block scales (weight_scale_inv)"
+        bn, bk = (int(b) for b in block)
+        want = (-(-w.shape[0] // bn), -(-w.shape[1] // bk))
+        if s.dtype != torch.float32 or tuple(s.shape) != want or w.dim() != 2:
+            return None, (
+                f"kv_b_proj's block scales are {s.dtype} {tuple(s.shape)}, not fp32 {want} "
+                f"(vLLM re-laid them out for its GEMM)"
+            )
+        return (w, s, (bn, bk)), None
+
+    # ------------------------------------------------------------------ o_proj's FP8 input
+
+    def o_proj_fp8_route(self, w) -> tuple[dict | None, str | None]:
+        """``(route, None)`` when wrapper ``w``'s o_proj is a block-FP8 linear whose own input
+        quantization the epilogue can do instead, else ``(None, why)``. ``route``: the FP8
+        dtype, the group size, UE8M0 scales, column-major scales (the layout the o_proj kernel
+        reads). Decided when the layer is built (the kernel object is vLLM's choice then)."""
+        o = getattr(w, "o_proj", None)
+        qm = getattr(o, "quant_method", None)
+        k = getattr(qm, "fp8_linear", None)
+        if k is None or not getattr(qm, "block_quant", False):
+            return None, "o_proj is not a block-FP8 linear"
+        name = type(k).__name__
+        if not getattr(k, "apply_input_quant", False) or not callable(
+            getattr(k, "apply_block_scaled_mm", None)
+        ):
+            return None, f"o_proj's kernel {name} takes its input unquantized"
+        if hasattr(k, "base") and hasattr(k, "fallback"):
+            return None, f"o_proj's kernel {name} picks between two kernels at run time"
+        qf = getattr(k, "quant_fp8", None)
+        if (
+            qf is None
+            or getattr(qf, "static", True)
+            or not getattr(qf, "is_group_quant", False)
+            or getattr(qf, "num_token_padding", None) is not None
+        ):
+            return None, f"o_proj's kernel {name} does not quantize per token group"
+        if getattr(qf, "tma_aligned_scales", False):
+            return None, f"o_proj's kernel {name} reads TMA-aligned scales"
+        if getattr(qf, "use_ue8m0", False) and getattr(qf, "use_deep_gemm_supported", False):
+            return None, f"o_proj's kernel {name} reads DeepGEMM's packed UE8M0 scales"
+        if getattr(o, "bias", None) is not None or not getattr(o, "input_is_parallel", True):
+            return None, "o_proj has a bias or splits its input itself"
+        if getattr(w, "g_proj", None) is not None:
+            return None, "a gate multiplies o_proj's input"
+        try:
+            import vllm.envs as venvs
+
+            if getattr(venvs, "VLLM_BATCH_INVARIANT", False):
+                return None, "VLLM_BATCH_INVARIANT is set"
+        except ImportError:  # pragma: no cover
+            pass
+        return (
+            dict(
+                dtype=self.fp8_dtype(),
+                group_size=int(qf.group_size),
+                ue8m0=bool(getattr(qf, "use_ue8m0", False)),
+                col_major=bool(getattr(qf, "column_major_scales", False)),
+                kernel=name,
+            ),
+            None,
+        )
+
+    def o_proj(self, w):
+        """Wrapper ``w``'s output projection (vLLM's RowParallelLinear)."""
+        return w.o_proj
+
+    def o_proj_quantize(self, o, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj ``o``'s own input quantization of ``x`` ``[m, H*V]`` (what its
+        ``apply_weights`` would run): ``(codes, scales)`` in the layout its GEMM reads."""
+        k = o.quant_method.fp8_linear
+        p = k._get_layer_params(o)
+        return k.quant_fp8(x, p.input_scale, p.input_scale_ub, use_triton=k.use_triton)
+
+    def o_proj_fp8(self, o, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """o_proj ``o`` on an input already quantized in its kernel's layout: vLLM's
+        ``RowParallelLinear.forward`` + ``apply_weights`` without the input quantization
+        (the route refused a bias, a gate, and an input split)."""
+        k = o.quant_method.fp8_linear
+        p = k._get_layer_params(o)
+        y = k.apply_block_scaled_mm(A=codes, B=p.weight, As=scales, Bs=p.block_scale)
+        y = y.to(dtype=k.config.out_dtype)
+        if getattr(o, "reduce_results", False) and getattr(o, "tp_size", 1) > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            y = tensor_model_parallel_all_reduce(y)
+        return y
 
     # ------------------------------------------------------------------ vLLM's own kernels
 

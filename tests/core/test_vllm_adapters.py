@@ -174,7 +174,7 @@ class _FakeAdapter(ad.VllmAdapter):
         return False
 
 
-def _layer(name, rotary, w_uk_t, P=8, R=4, L=16):
+def _layer(name, rotary, w_uk_t, P=8, R=4, L=16, V=8):
     attn = types.SimpleNamespace(layer_name=name, W_UK_T=w_uk_t, kv_cache_dtype="auto")
     return types.SimpleNamespace(
         mla_attn=attn,
@@ -182,6 +182,7 @@ def _layer(name, rotary, w_uk_t, P=8, R=4, L=16):
         qk_nope_head_dim=P,
         qk_rope_head_dim=R,
         kv_lora_rank=L,
+        v_head_dim=V,
     )
 
 
@@ -232,3 +233,252 @@ def test_spec_prebuild_waits_for_weights_and_keeps_no_broken_spec(monkeypatch):
     assert st._spec is None and st._spec_key is None  # left for the first fused step to raise
     with pytest.raises(Exception, match="w_uk_t"):
         st.spec(None)
+
+
+# ------------------------------------------------------------------ FP8 weights and o_proj
+
+
+class _Fp8Adapter(_FakeAdapter):
+    def fp8_dtype(self):
+        import torch
+
+        return torch.float8_e4m3fn
+
+
+def _block_fp8(w, bn: int, bk: int):
+    """A 2-D weight as a block-FP8 checkpoint stores it: e4m3 codes, one fp32 scale per block."""
+    import torch
+
+    N, K = w.shape
+    s = torch.zeros(-(-N // bn), -(-K // bk))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            s[i, j] = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].abs().max() / 448
+    full = s.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+class _QuantFP8(types.SimpleNamespace):
+    """vLLM's QuantFP8 module as the handoff reads it: attributes, and a call that quantizes
+    per token group of 128 (the reference rule) into row- or column-major scales."""
+
+    def __call__(self, x, scale, scale_ub, use_triton=False):
+        from fusemla.reference.epilogue import group_quant_fp8
+
+        self.calls += 1
+        codes, s = group_quant_fp8(x.float(), self.group_size)
+        return codes, (s.t().contiguous().t() if self.column_major_scales else s)
+
+
+class _BlockKernel:
+    """What the FP8 handoff reads of vLLM's Fp8BlockScaledMMLinearKernel, over plain torch:
+    its input quantization and a GEMM of the dequantized operands."""
+
+    apply_input_quant = True
+    use_triton = False
+
+    def __init__(self, col_major=True, **quant):
+        import torch
+
+        self.config = types.SimpleNamespace(out_dtype=torch.bfloat16)
+        self.quant_fp8 = _QuantFP8(
+            static=False,
+            is_group_quant=True,
+            group_size=128,
+            use_ue8m0=False,
+            use_deep_gemm_supported=False,
+            column_major_scales=col_major,
+            tma_aligned_scales=False,
+            num_token_padding=None,
+            calls=0,
+        )
+        vars(self.quant_fp8).update(quant)
+
+    def _get_layer_params(self, layer):
+        return types.SimpleNamespace(
+            weight=layer.weight,
+            block_scale=layer.weight_scale_inv,
+            input_scale=None,
+            input_scale_ub=None,
+        )
+
+    def apply_block_scaled_mm(self, A, B, As, Bs):
+        from fusemla.quant import dequantize_block_fp8
+
+        a = A.float() * As.repeat_interleave(128, dim=1)
+        return (a @ dequantize_block_fp8(B, Bs).t()).to(self.config.out_dtype)
+
+
+def _o_proj(kernel, HV=256, out=64, **kw):
+    import torch
+
+    codes, scale = _block_fp8(torch.randn(out, HV), 128, 128)
+    qm = types.SimpleNamespace(fp8_linear=kernel, block_quant=True)
+    o = types.SimpleNamespace(
+        quant_method=qm,
+        weight=codes,
+        weight_scale_inv=scale,
+        bias=None,
+        input_is_parallel=True,
+        reduce_results=True,
+        tp_size=1,
+    )
+    vars(o).update(kw)
+    return o
+
+
+def _wrapper(o_proj, **kw):
+    return types.SimpleNamespace(o_proj=o_proj, g_proj=kw.pop("g_proj", None), **kw)
+
+
+def test_o_proj_fp8_route_taken():
+    k = _BlockKernel()
+    route, why = _Fp8Adapter().o_proj_fp8_route(_wrapper(_o_proj(k)))
+    assert why is None
+    assert route["group_size"] == 128 and route["col_major"] and not route["ue8m0"]
+    assert route["kernel"] == "_BlockKernel"
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ("not_block", "not a block-FP8 linear"),
+        ("bf16_input", "takes its input unquantized"),
+        ("dispatch", "picks between two kernels"),
+        ("static", "does not quantize per token group"),
+        ("padding", "does not quantize per token group"),
+        ("tma", "TMA-aligned"),
+        ("deepgemm_ue8m0", "DeepGEMM's packed UE8M0"),
+        ("bias", "a bias"),
+        ("split_input", "splits its input"),
+        ("gate", "a gate"),
+    ],
+)
+def test_o_proj_fp8_route_refused_with_reason(change, reason):
+    """Every o_proj the epilogue cannot feed FP8 is refused with the reason the plugin logs
+    (the layer then hands o_proj bf16, as vLLM does)."""
+    k = _BlockKernel()
+    o = _o_proj(k)
+    w = _wrapper(o)
+    if change == "not_block":
+        o.quant_method.block_quant = False
+    elif change == "bf16_input":
+        k.apply_input_quant = False
+    elif change == "dispatch":
+        k.base = k.fallback = object()
+    elif change == "static":
+        k.quant_fp8.static = True
+    elif change == "padding":
+        k.quant_fp8.num_token_padding = 16
+    elif change == "tma":
+        k.quant_fp8.tma_aligned_scales = True
+    elif change == "deepgemm_ue8m0":
+        k.quant_fp8.use_ue8m0 = k.quant_fp8.use_deep_gemm_supported = True
+    elif change == "bias":
+        o.bias = object()
+    elif change == "split_input":
+        o.input_is_parallel = False
+    elif change == "gate":
+        w.g_proj = object()
+    route, why = _Fp8Adapter().o_proj_fp8_route(w)
+    assert route is None and reason in why, why
+
+
+def test_o_proj_fp8_ue8m0_without_deepgemm_is_taken():
+    k = _BlockKernel(use_ue8m0=True)
+    route, why = _Fp8Adapter().o_proj_fp8_route(_wrapper(_o_proj(k)))
+    assert why is None and route["ue8m0"]
+
+
+@pytest.mark.parametrize("col_major", [True, False])
+def test_o_proj_fp8_is_o_proj_on_prequantized_input(col_major):
+    """o_proj on pre-quantized codes + scales is o_proj's own forward on the bf16 input it
+    would have quantized itself: the same GEMM in the same scale layout, no second quant."""
+    import torch
+
+    from fusemla.reference.epilogue import group_quant_fp8
+
+    k = _BlockKernel(col_major=col_major)
+    o = _o_proj(k)
+    adapter = _Fp8Adapter()
+    x = torch.randn(5, 256)
+    codes, scales = adapter.o_proj_quantize(o, x)
+    assert k.quant_fp8.calls == 1
+    assert (scales.stride(0) == 1) == col_major
+    y = adapter.o_proj_fp8(o, codes, scales)
+    assert k.quant_fp8.calls == 1  # o_proj_fp8 quantizes nothing itself
+    c_ref, s_ref = group_quant_fp8(x, 128)
+    want = k.apply_block_scaled_mm(c_ref, o.weight, s_ref, o.weight_scale_inv)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
+def _kv_b_proj(H, P, V, L, block, dtype="fp8"):
+    import torch
+
+    w = torch.randn(H * (P + V), L)
+    qm = types.SimpleNamespace(weight_block_size=list(block))
+    if dtype != "fp8":
+        return types.SimpleNamespace(weight=w.bfloat16(), quant_method=qm), w
+    codes, scale = _block_fp8(w, *block)
+    kvb = types.SimpleNamespace(weight=codes, weight_scale_inv=scale, quant_method=qm)
+    return kvb, w
+
+
+def test_stored_weights_read_as_stored(monkeypatch):
+    """FUSEMLA_VLLM_W_UK=stored: W_UK_T (prologue) and W_UV (epilogue) are the checkpoint's
+    block-FP8 codes and scales as stored, built once per layer and rebuilt when vLLM reloads
+    kv_b_proj."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+
+    monkeypatch.setattr(plugin, "_stats", plugin.Counter())
+    H, P, V, R, L = 2, 16, 16, 4, 32
+    rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(32, R), is_neox_style=False)
+    w_uk = torch.randn(L, H, P, dtype=torch.bfloat16).permute(1, 2, 0)
+    layer = _layer("l0", rotary, w_uk, P=P, R=R, L=L, V=V)
+    kvb, _ = _kv_b_proj(H, P, V, L, (16, 16))
+    layer.mla_attn.kv_b_proj = kvb
+    layer.mla_attn.W_UV = torch.randn(L, H, V, dtype=torch.bfloat16).transpose(0, 1)
+    st = plugin._LayerState(_Fp8Adapter(), layer, True, True, "stored", epilogue=True)
+    spec = st.spec(None)
+    assert plugin.stats()["stored_builds"] == 1 and st.w_uk == "stored"
+    uk, uv = st.stored()
+    assert spec.w_uk_t is uk and st.epilogue_spec().w_uv is uv
+    assert torch.equal(
+        uk.data.view(torch.uint8),
+        kvb.weight.view(H, P + V, L)[:, :P].contiguous().view(torch.uint8),
+    )
+    assert plugin.stats()["stored_builds"] == 1  # built once
+    kvb.weight_scale_inv.mul_(2)  # vLLM reloaded the weights in place: rebuilt
+    assert st.stored()[0] is not uk and plugin.stats()["stored_builds"] == 2
+
+
+@pytest.mark.parametrize("case", ["bf16", "straddle"])
+def test_stored_weights_fall_back_with_reason(monkeypatch, caplog, case):
+    """A checkpoint that is not block-FP8, or whose blocks straddle a head, keeps vLLM's own
+    tensors (as-is) with the reason logged once."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+
+    monkeypatch.setattr(plugin, "_stats", plugin.Counter())
+    monkeypatch.setattr(plugin, "_logged", set())
+    H, P, V, R, L = 2, 16, 16, 4, 32
+    rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(32, R), is_neox_style=False)
+    w_uk = torch.randn(L, H, P, dtype=torch.bfloat16).permute(1, 2, 0)
+    layer = _layer("l0", rotary, w_uk, P=P, R=R, L=L, V=V)
+    if case == "bf16":
+        layer.mla_attn.kv_b_proj, _ = _kv_b_proj(H, P, V, L, (16, 16), dtype="bf16")
+        want = "not FP8"
+    else:
+        layer.mla_attn.kv_b_proj, _ = _kv_b_proj(H, P, V, L, (32, 16))
+        want = "straddle"
+    st = plugin._LayerState(_Fp8Adapter(), layer, True, True, "stored")
+    with caplog.at_level(logging.WARNING, logger=plugin.logger.name):
+        spec = st.spec(None)
+        st.spec(None)
+    assert st.w_uk == "as-is" and spec.w_uk_t.data_ptr() == w_uk.data_ptr()
+    msgs = [r.getMessage() for r in caplog.records if "W_UK=stored" in r.getMessage()]
+    assert len(msgs) == 1 and want in msgs[0], msgs
+    assert "stored_builds" not in plugin.stats()

@@ -1,15 +1,26 @@
 """One vLLM engine run for the plugin tests and the vLLM benchmark (run as a script, in its own
 process: the plugin registers once per process, so plugin on and off need separate processes).
 
-    python engine_run.py make-model DIR --shape NAME
+    python engine_run.py make-model DIR --shape NAME[-fp8]
     python engine_run.py run DIR OUT_DIR [--tp N] [--mode eager|compiled|piecewise|full_and_piecewise]
         [--schedule NAME] [--kv-cache-dtype auto|fp8] [--backend NAME] [--capture] [--profile]
         [--inject none|double_rope|double_write|rope_off_by_one|noise:EPS]
 
 ``make-model`` saves a tiny DeepSeek-V3-style model (no MoE, vocab 1000, kv_lora_rank 512,
 rope 64) of one of :data:`SHAPES` with real random weights through transformers'
-``save_pretrained``. ``run`` drives vLLM's engine through a :data:`SCHEDULES` entry (requests
-arriving at different steps, so steps are prefill-only, mixed and decode-only), greedy, and
+``save_pretrained``. A shape name with the suffix ``-fp8`` (``v3-h16-fp8``, ``base-fp8``,
+``seed:3-fp8``) is the same model (same dims, same weights) saved the way DeepSeek-V3's own
+checkpoint is: every linear weight of the decoder layers as float8_e4m3fn codes with an fp32
+``weight_scale_inv`` per 128x128 block (dequantized weight = codes * scale) and
+``quantization_config`` (``fp8``, dynamic activations, ``weight_block_size`` [128, 128]) in
+config.json, so vLLM loads it through its block-FP8 linear path (``Fp8LinearMethod``). vLLM
+merges q_a_proj with kv_a_proj_with_mqa, and gate_proj with up_proj; where the first of a pair
+(q_lora_rank, the MLP width) is not a multiple of 128 it still loads the model, but its merged
+scale rows then miss the second weight's rows (base-fp8's fused_qkv_a_proj, q_lora 96,
+dequantizes up to 21 % of its largest weight off). ``v3-*``, ``v2lite-*``, ``nope64-*``,
+``bench-*`` and ``h1-nolora`` are multiples. ``run`` drives vLLM's engine through a
+:data:`SCHEDULES` entry (requests arriving at different steps, so steps are prefill-only, mixed
+and decode-only), greedy, and
 writes OUT_DIR/tokens.json (tokens, top-1/top-2 margins, top-k logprobs, the engine step at which
 each token appeared) plus, from every worker, OUT_DIR/rank<r>.json (counters, cache-write
 accounting, kernel counts with --profile) and rank<r>.npz (used KV-cache rows, per-layer outputs
@@ -45,6 +56,10 @@ SHAPES = {
     "bench-h16": (16, 128, 128, 1536, 4, 7168, 1024),
     "bench-h128": (128, 128, 128, 1536, 4, 7168, 1024),
 }
+
+FP8_SUFFIX = "-fp8"  # SHAPES name + this: that model as a DeepSeek-V3-style block-FP8 checkpoint
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size (output rows, input columns)
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 # requests: (id, arrival step, prompt length, max new tokens)
 SCHEDULES = {
@@ -106,11 +121,141 @@ def shape_from_seed(seed: int) -> tuple:
     )
 
 
-def make_model(path: str, shape) -> None:
+def split_fp8(name: str) -> tuple[str, bool]:
+    """``NAME-fp8`` -> ``(NAME, True)``; any other name -> ``(name, False)``."""
+    if name.endswith(FP8_SUFFIX):
+        return name[: -len(FP8_SUFFIX)], True
+    return name, False
+
+
+def shape_dims(name: str) -> tuple:
+    """The dims of a shape name: a :data:`SHAPES` key or ``seed:<int>``, optionally ``-fp8``."""
+    base, _ = split_fp8(name)
+    if base.startswith("seed:"):
+        return shape_from_seed(int(base[5:]))
+    return SHAPES[base]
+
+
+def shape_names() -> list[str]:
+    """Every named shape, plain and ``-fp8`` (``seed:<int>[-fp8]`` are valid too)."""
+    return sorted(SHAPES) + sorted(s + FP8_SUFFIX for s in SHAPES)
+
+
+def _shape_arg(name: str) -> str:
+    """argparse type of ``--shape``: a valid shape name, else a message listing them."""
+    try:
+        shape_dims(name)
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"unknown shape {name!r}: one of {shape_names()} or seed:<int>[{FP8_SUFFIX}]"
+        ) from None
+    return name
+
+
+def quantize_fp8_blocks(w, block=FP8_BLOCK):
+    """DeepSeek-V3's block FP8 of a 2-D weight ``w`` [out, in]: ``(codes, scale_inv)``, codes
+    float8_e4m3fn [out, in], scale_inv fp32 [ceil(out / block[0]), ceil(in / block[1])] with
+    ``w ~= codes.float() * scale_inv`` per block (edge blocks may be partial); each block's scale
+    is its max |w| / 448, so the block's largest element maps to +-448."""
+    import torch
+
+    bn, bk = block
+    n, k = w.shape
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(gn, bn, gk, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(gn * bn, gk * bk)
+    return q[:n, :k].to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_blocks(codes, scale_inv, block=FP8_BLOCK):
+    """The fp32 weight that block-FP8 ``codes`` with ``scale_inv`` stand for."""
+    bn, bk = block
+    n, k = codes.shape
+    s = scale_inv.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:n, :k]
+    return codes.float() * s
+
+
+# the linear layers whose weights DeepSeek-V3's checkpoint stores in block FP8
+_FP8_LINEARS = {
+    "q_a_proj",
+    "q_b_proj",
+    "q_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+}
+
+
+def _fp8_quantized(name: str) -> bool:
+    """Whether a saved tensor is one DeepSeek-V3's checkpoint stores in block FP8: the weights of
+    the decoder layers' linear layers (attention projections, dense/expert/shared MLPs), not the
+    embeddings, lm_head, norms or the MoE router (``mlp.gate``)."""
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _FP8_LINEARS
+
+
+def _save_fp8(path: str) -> None:
+    """Rewrites the bf16 model save_pretrained wrote in ``path`` as a block-FP8 checkpoint: one
+    model.safetensors (the shards and their index removed) and quantization_config."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+    else:
+        files = [os.path.join(path, "model.safetensors")]
+    tensors = {}
+    for fn in files:
+        tensors.update(load_file(fn))
+    out = {}
+    for name, t in tensors.items():
+        if _fp8_quantized(name):
+            assert t.dim() == 2, (name, t.shape)
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, FP8_BLOCK)
+        else:
+            out[name] = t
+    assert any(t.dtype == torch.float8_e4m3fn for t in out.values())
+    for fn in set(files) | set(glob.glob(os.path.join(path, "model-*.safetensors"))):
+        os.remove(fn)
+    if os.path.exists(index):
+        os.remove(index)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(FP8_BLOCK),
+    }
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def make_model(path: str, shape, fp8: bool = False) -> None:
+    """Saves the model of ``shape`` (a shape name, see :func:`shape_dims`, or a dims tuple) in
+    ``path``; block FP8 (see the module docstring) with ``fp8`` or a ``-fp8`` name."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    dims = SHAPES[shape] if isinstance(shape, str) else shape
+    if isinstance(shape, str):
+        fp8 = fp8 or split_fp8(shape)[1]
+        dims = shape_dims(shape)
+    else:
+        dims = shape
     heads, nope, v, q_lora, layers, hidden = dims[:6]
     mlp = dims[6] if len(dims) > 6 else 2 * hidden
     cfg = DeepseekV3Config(
@@ -164,19 +309,21 @@ def make_model(path: str, shape) -> None:
         perm = torch.randperm(emb.shape[0])
         model.lm_head.weight.copy_(emb[perm] + 0.3 * torch.randn_like(emb))
     model.to(torch.bfloat16).save_pretrained(path)
+    if fp8:
+        _save_fp8(path)
+    meta = {
+        "heads": heads,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v,
+        "q_lora_rank": q_lora or None,
+        "layers": layers,
+        "hidden": hidden,
+        "mlp": mlp,
+    }
+    if fp8:
+        meta["fp8_blocks"] = list(FP8_BLOCK)
     with open(os.path.join(path, "fusemla_shape.json"), "w") as f:
-        json.dump(
-            {
-                "heads": heads,
-                "qk_nope_head_dim": nope,
-                "v_head_dim": v,
-                "q_lora_rank": q_lora or None,
-                "layers": layers,
-                "hidden": hidden,
-                "mlp": mlp,
-            },
-            f,
-        )
+        json.dump(meta, f)
 
 
 def _margin(lp: dict) -> float:
@@ -310,7 +457,13 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model")
     m.add_argument("path")
-    m.add_argument("--shape", default="base", help=f"one of {sorted(SHAPES)} or seed:<int>")
+    m.add_argument(
+        "--shape",
+        default="base",
+        type=_shape_arg,
+        help=f"one of {sorted(SHAPES)} or seed:<int>; any of them + {FP8_SUFFIX!r}: the same "
+        "model as a DeepSeek-V3-style block-FP8 checkpoint",
+    )
     r = sub.add_parser("run")
     r.add_argument("model")
     r.add_argument("out")
@@ -330,10 +483,7 @@ def main() -> None:
     r.add_argument("--kv-gib", type=float, default=1.0, help="GPU: KV-cache size in GiB")
     args = ap.parse_args()
     if args.cmd == "make-model":
-        shape = args.shape
-        if shape.startswith("seed:"):
-            shape = shape_from_seed(int(shape[5:]))
-        make_model(args.path, shape)
+        make_model(args.path, args.shape)
     else:
         os.makedirs(args.out, exist_ok=True)
         run(args)

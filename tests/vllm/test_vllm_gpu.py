@@ -59,6 +59,12 @@ WUK_MODES = ("fp8", "fp8xfp8")
 # FUSEMLA_VLLM_EPILOGUE=1: fusemla's W_UV epilogue on the decode tokens, against the bf16 runs
 EPI_MODELS = ("v3-h16", "v3-h128")
 EPI_ENV = "FUSEMLA_VLLM_EPILOGUE"
+# the same attention in a block-FP8 checkpoint (DeepSeek-V3's 128 x 128 blocks, as stored):
+# the epilogue hands o_proj FP8 codes + group scales, and FUSEMLA_VLLM_W_UK=stored reads the
+# checkpoint's W_UK_T / W_UV codes and block scales as stored, against vLLM's own FP8 path
+EPI8_MODELS = ("v3-h16-fp8", "v3-h128-fp8")
+EPI8_ON = {EPI_ENV: "1"}
+EPI8_STORED = {EPI_ENV: "1", "FUSEMLA_VLLM_W_UK": "stored"}
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
@@ -75,6 +81,7 @@ if _ONLY_MODELS:
 if DRYRUN:
     CASES, MODELS, FP8_MODELS, SCHEDULE = [("v3-h16", "eager")], ("v3-h16",), (), "wide"
     WUK_MODELS = ()
+    EPI8_MODELS = ()
     OTHER_BACKENDS = ()
 
 
@@ -97,7 +104,7 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
-    epi, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
+    epi, epi8, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
 
     def want(g):
         return groups is None or g in groups
@@ -140,6 +147,18 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                     specs.append(_spec(m, f"off-{mode}", False, mode))
             if not want("main"):
                 specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+    if want("epi8") and EPI8_MODELS:
+        for m in EPI8_MODELS:
+            for mode in ("eager", "full_and_piecewise"):
+                specs += [
+                    _spec(m, f"off-{mode}", False, mode),
+                    _spec(m, f"epi8-on-{mode}", True, mode, env=EPI8_ON),
+                    _spec(m, f"epi8-stored-{mode}", True, mode, env=EPI8_STORED),
+                ]
+            specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+        specs.append(
+            _spec(EPI8_MODELS[0], "epi8-bug-eager", True, inject="rope_off_by_one", env=EPI8_ON)
+        )
     if want("wuk"):
         for m in WUK_MODELS:
             for mode in ("eager", "full_and_piecewise"):
@@ -485,6 +504,51 @@ def test_epilogue_matches_vllm(gpu_runs, model, mode):
         k = _kernels(on)
         assert 0 < k["fusemla_epilogue"] <= k["fusemla_prologue"], k
         assert _kernels(off)["fusemla_epilogue"] == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("model", EPI8_MODELS)
+@pytest.mark.parametrize("variant", ["on", "stored"])
+def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
+    """A block-FP8 checkpoint: the epilogue writes o_proj's input as FP8 codes + group scales
+    in the layout o_proj's block-FP8 GEMM reads (o_proj's own input quantization skipped for
+    the decode rows) in every layer at every decode step; with FUSEMLA_VLLM_W_UK=stored the
+    prologue and the epilogue read the checkpoint's codes and block scales as stored. The
+    numbers stay within vLLM's own bf16 noise floor; a planted bug leaves it."""
+    _need("epi8")
+    runner, report = gpu_runs
+    env = EPI8_ON if variant == "on" else EPI8_STORED
+    off = runner.run(_spec(model, f"off-{mode}", False, mode))
+    on = runner.run(_spec(model, f"epi8-{variant}-{mode}", True, mode, env=env))
+    floor = _floor(runner, model)
+    bug = deviation(
+        runner.run(_spec(EPI8_MODELS[0], "epi8-bug-eager", True, env=EPI8_ON)),
+        runner.run(_spec(EPI8_MODELS[0], "off-eager", False)),
+    )
+    dev = deviation(on, off)
+    s = stats(on)
+    _record(
+        report,
+        f"{model}/epilogue-fp8-{variant}/{mode}",
+        dev,
+        floor,
+        {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"], "stats": s,
+         "kernels_on": on["kernels"]},
+    )  # fmt: skip
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == []
+    assert judge(bug, floor) != [], bug  # the judge catches a planted bug here
+    check_fused(on, off)
+    layers = on["backends"][0]["layers"]
+    assert s["layers_epilogue"] == layers and s["layers_epilogue_fp8"] == layers, s
+    assert s["epilogue_calls"] == s["decode_calls"] > 0, s
+    assert s["epilogue_fp8_tokens"] == s["epilogue_tokens"] == s["decode_tokens"], s
+    if variant == "stored":
+        assert s["stored_builds"] == layers, s
+    else:
+        assert not s.get("stored_builds"), s
+    if not DRYRUN:
+        assert 0 < _kernels(on)["fusemla_epilogue"] <= _kernels(on)["fusemla_prologue"]
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)
