@@ -48,6 +48,7 @@ SHAPES = {
     "h16-lora": (16, 24, 56, 64, 3, 256),  # v_head_dim > qk_nope_head_dim
     "h6-lora": (6, 40, 24, 48, 3, 256),  # v < nope; 3 heads per rank at TP=2
     # GPU (FA3's prefill takes (nope, rope, v) = (128, 64, 128) or (64, 64, 128) here)
+    "v3-h2": (2, 128, 128, 256, 2, 256),  # DeepSeek-V3's head dims, 2 heads (CPU FP8 runs)
     "v3-h16": (16, 128, 128, 384, 3, 512),  # DeepSeek-V3 attention dims, 16 heads (TP=8's share)
     "v3-h128": (128, 128, 128, 384, 3, 512),  # all 128 heads
     "v2lite-h16": (16, 128, 128, 0, 3, 512),  # DeepSeek-V2-Lite: no q_lora
@@ -373,6 +374,11 @@ def run(args) -> None:
     schedule = (
         schedule_from_seed(args.seed) if args.schedule == "seeded" else SCHEDULES[args.schedule]
     )
+    if args.emulate_fp8_linear:  # a block-FP8 checkpoint on a CPU without AMX (tests only)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import fp8_emulation
+
+        fp8_emulation.install()
     t0 = time.time()
     llm = LLM(**llm_kwargs(args, on_gpu, max_batch=8))
     t_init = time.time() - t0
@@ -479,6 +485,11 @@ def main() -> None:
     r.add_argument("--capture", action="store_true", help="per-layer outputs (eager only)")
     r.add_argument("--profile", action="store_true", help="count GPU kernels (torch profiler)")
     r.add_argument("--max-model-len", type=int, default=1024)
+    r.add_argument(
+        "--emulate-fp8-linear",
+        action="store_true",
+        help="CPU: block-FP8 linears through fp8_emulation.py (vLLM's need AMX)",
+    )
     r.add_argument("--gpu-mem", type=float, default=0.1)
     r.add_argument("--kv-gib", type=float, default=1.0, help="GPU: KV-cache size in GiB")
     args = ap.parse_args()

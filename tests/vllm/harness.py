@@ -70,6 +70,7 @@ class Spec:
     seed: int = 0
     max_model_len: int = 1024
     env: dict = field(default_factory=dict)
+    emulate_fp8: bool = False  # CPU: block-FP8 linears through fp8_emulation.py
 
 
 class Runner:
@@ -184,6 +185,8 @@ class Runner:
             cmd.append("--capture")
         if s.profile:
             cmd.append("--profile")
+        if s.emulate_fp8:
+            cmd.append("--emulate-fp8-linear")
         return cmd
 
     def run(self, s: Spec) -> dict:
@@ -314,9 +317,12 @@ def _is_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(x).all())
 
 
-def deviation(run: dict, ref: dict) -> dict:
+def deviation(run: dict, ref: dict, max_steps: int | None = None) -> dict:
     """How far ``run`` is from ``ref`` (numbers only, over the steps before the first token that
-    differs): ``out`` max relative error of a per-layer output (eager runs with --capture),
+    differs, and the first ``max_steps`` steps if given: a noise floor is measured over the
+    steps of the run it judges, since noise grows with the steps it has had to compound;
+    block-FP8 models, whose activation quantization turns any rounding difference into code
+    steps, need it): ``out`` max relative error of a per-layer output (eager runs with --capture),
     ``logprob`` max |difference| of a next-token logprob over the tokens both top-k lists hold
     (``logprob_rel``: relative to the largest |logprob| compared),
     ``cache`` max relative error of a layer's used KV-cache rows (only if no token differs:
@@ -360,7 +366,7 @@ def deviation(run: dict, ref: dict) -> dict:
         d["layers"] = max(d["layers"], len(layers))
         for k in outs:
             i = int(k.rsplit("/", 1)[1])
-            if cutoff is not None and i >= cutoff:
+            if (cutoff is not None and i >= cutoff) or (max_steps is not None and i >= max_steps):
                 continue
             if k not in a or a[k].shape != b[k].shape:
                 d["problems"].append(f"{k}: missing or of another shape in the run")

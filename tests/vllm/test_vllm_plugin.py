@@ -221,6 +221,66 @@ def test_epilogue_option(runner):
     assert s["epilogue_tokens"] == s["decode_tokens"] > 0, s
 
 
+def fp8(name: str, plugin: bool, **kw) -> Spec:
+    """A block-FP8 checkpoint with DeepSeek-V3's head dims (2 heads): its linears through the
+    emulated block-FP8 kernel (fp8_emulation.py: vLLM's own input quantization in CUTLASS's
+    column-major scale layout; vLLM's CPU kernels need AMX)."""
+    kw.setdefault("backend", BACKEND)
+    kw.setdefault("capture", kw.get("mode", "eager") == "eager")
+    return Spec(
+        name=f"fp8-{name}", shape="v3-h2-fp8", plugin=plugin, schedule="small", emulate_fp8=True,
+        **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["handoff", "stored"])
+def test_epilogue_fp8_handoff_to_block_fp8_o_proj(runner, variant):
+    """A block-FP8 checkpoint, FUSEMLA_VLLM_EPILOGUE=1: every layer's decode tokens leave the
+    epilogue as FP8 codes + group scales in o_proj's own layout and go straight into its
+    block-FP8 GEMM (o_proj's input quantization skipped for them; prefill rows through it);
+    with FUSEMLA_VLLM_W_UK=stored both BMMs read the checkpoint's codes and block scales as
+    stored. Within bf16 noise of vLLM's own FP8 path; a planted bug is not."""
+    env = {"FUSEMLA_VLLM_EPILOGUE": "1"}
+    if variant == "stored":
+        env["FUSEMLA_VLLM_W_UK"] = "stored"
+    off = runner.run(fp8("off", False, interpret=False))
+    noisy = runner.run(fp8("off-noise", False, interpret=False, inject=f"noise:{2.0**-8}"))
+    on = runner.run(fp8(f"on-{variant}", True, env=env))
+    bug = deviation(
+        runner.run(fp8("bug", True, inject="rope_off_by_one", env={"FUSEMLA_VLLM_EPILOGUE": "1"})),
+        off,
+    )
+    d = deviation(on, off)
+    # each judged over the steps it compared (see harness.deviation)
+    floor = deviation(noisy, off, max_steps=d["steps_compared"])
+    floor_bug = deviation(noisy, off, max_steps=bug["steps_compared"])
+    assert "Selected EmulatedFp8BlockKernel" in off["log"]
+    assert token_problems(on, off) == [] and accounting_problems(on, off) == []
+    assert d["steps_compared"] >= 3, d
+    assert harness.judge(d, floor) == [], (d, floor)
+    assert harness.judge(bug, floor_bug) != [], (bug, floor_bug)
+    check_fused_everywhere(on, off)
+    s = stats(on)
+    layers = n_layers(on)
+    assert s["layers_epilogue"] == s["layers_epilogue_fp8"] == layers, s
+    assert s["epilogue_calls"] == s["decode_calls"] > 0, s
+    assert s["epilogue_fp8_tokens"] == s["epilogue_tokens"] == s["decode_tokens"] > 0, s
+    assert s["o_proj_quant_rows"] >= s["prefill_tokens"] > 0, s  # prefill rows: o_proj's quant
+    assert s.get("stored_builds", 0) == (layers if variant == "stored" else 0), s
+    assert "epilogue FP8 into o_proj (EmulatedFp8BlockKernel)" in on["log"]
+
+
+def test_epilogue_out_bf16_keeps_o_proj_quant(runner):
+    """FUSEMLA_VLLM_EPILOGUE_OUT=bf16: the epilogue hands the same block-FP8 o_proj bf16."""
+    off = runner.run(fp8("off", False, interpret=False))
+    env = {"FUSEMLA_VLLM_EPILOGUE": "1", "FUSEMLA_VLLM_EPILOGUE_OUT": "bf16"}
+    on = runner.run(fp8("on-bf16-out", True, env=env))
+    assert token_problems(on, off) == []
+    s = stats(on)
+    assert s["layers_epilogue_bf16"] == n_layers(on) and not s.get("layers_epilogue_fp8"), s
+    assert not s.get("epilogue_fp8_tokens") and not s.get("o_proj_quant_rows"), s
+
+
 # ---------------------------------------------------------------------- compiled (inductor)
 
 
