@@ -312,7 +312,7 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                         f"   sweep H={H} B={B} {out} W {w_name}: best {best[0]:.2f} us {best[1]}",
                         flush=True,
                     )
-        b.save()
+            b.save()  # after every batch: a run cut short keeps what it measured
 
 
 def print_table(rows_: list) -> None:
