@@ -122,7 +122,9 @@ def stats() -> dict[str, int]:
     the ones built inside a CUDA graph capture (0 when :meth:`_LayerState.prebuild` ran);
     ``layers_epilogue_fp8`` / ``layers_epilogue_bf16``: epilogue layers built to hand o_proj
     FP8 codes + group scales (``FUSEMLA_VLLM_EPILOGUE_OUT=auto``, a block-FP8 o_proj) / bf16;
-    ``epilogue_fp8_tokens``: decode tokens the epilogue wrote as FP8; ``o_proj_quant_rows``:
+    ``epilogue_fp8_tokens``: decode tokens the epilogue wrote as FP8;
+    ``epilogue_vllm_tokens``: decode tokens of epilogue layers left to vLLM's bmm because the
+    step had more than the measured crossover (``configs.fuse_max_tokens``); ``o_proj_quant_rows``:
     rows of an FP8-handoff layer quantized by o_proj's own quantization (prefill, vLLM's
     path); ``stored_builds``: W_UK_T / W_UV pairs read from a block-FP8 ``kv_b_proj`` as stored
     (``FUSEMLA_VLLM_W_UK=stored``).
@@ -296,6 +298,7 @@ class _LayerState:
         self.epilogue = epilogue and fused_dec  # FUSEMLA_VLLM_EPILOGUE (decode tokens only)
         self._epi_key = None
         self._epi_spec = None
+        self._epi_max: int | None = None  # epilogue_max_tokens, decided at the first step
         # o_proj's FP8 input (FUSEMLA_VLLM_EPILOGUE_OUT=auto, a block-FP8 o_proj): the op writes
         # codes + group scales in o_proj's layout and the wrapper calls its GEMM on them
         self.o_fp8 = o_fp8 if self.epilogue else None
@@ -423,6 +426,19 @@ class _LayerState:
             if _capturing():
                 _stats["spec_builds_in_capture"] += 1
         return self._epi_spec
+
+    def epilogue_max_tokens(self, q: torch.Tensor) -> int:
+        """Decode steps of more tokens than this keep vLLM's W_UV bmm (there it is the faster
+        path: :func:`fusemla.ops.epilogue.configs.fuse_max_tokens`); decided per step, so
+        per captured CUDA graph size."""
+        if self._epi_max is None:
+            from fusemla.ops.common import backend_of
+            from fusemla.ops.epilogue.configs import fuse_max_tokens
+
+            self._epi_max = fuse_max_tokens(
+                q.shape[1], self.o_fp8 is not None, backend_of(q.device)
+            )
+        return self._epi_max
 
     def epilogue_reason(self, q: torch.Tensor) -> str | None:
         """Why this layer's decode tokens keep vLLM's _v_up_proj (None: the epilogue runs)."""
@@ -626,7 +642,7 @@ class _LayerState:
             ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
         self.quantize_rows(output, codes, scales, D, n)
         if D > 0:
-            if split.decode_fused and self.epilogue:
+            if split.decode_fused and self.epilogue and D <= self.epilogue_max_tokens(q):
                 from fusemla.ops.epilogue.api import mla_epilogue_step
 
                 o = ad.decode_mqa(a, q_dec, cache, md).view(D, -1, L)
@@ -638,7 +654,9 @@ class _LayerState:
                 _stats["epilogue_calls"] += 1
                 _stats["epilogue_tokens"] += D
             else:
-                if split.decode_fused:
+                if split.decode_fused:  # vLLM's W_UV bmm (no epilogue, or faster at this D)
+                    if self.epilogue:
+                        _stats["epilogue_vllm_tokens"] += D
                     ad.decode_attention(a, q_dec, cache, md, output[:D])
                 else:
                     # vLLM's decode path (BMM, concat, MQA, W_UV) on the decode tokens alone

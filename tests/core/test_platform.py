@@ -564,10 +564,13 @@ def test_info_prints_the_plan():
     for r, n in zip(body, (1, 64, 512, 1, 64, 512)):
         assert f"{n:>3} decode tokens: {configs.batch_bucket(n)} tiles" in r, r
     # the epilogue's plan: 2 weight formats x 2 outputs x 3 batches, its own buckets
-    assert epi[0].startswith("  epilogue plan at H=16") and len(epi) == 13, epi
-    for r, n in zip(epi[1:], (1, 64, 512) * 4):
+    assert epi[0].startswith("  epilogue plan at H=16") and len(epi) == 14, epi
+    for r, n in zip(epi[1:13], (1, 64, 512) * 4):
         assert f"{n:>3} tokens: {epi_configs.batch_bucket(n)} tiles" in r, r
-    assert all("fp8 out" in r and "BLOCK_V=128" in r for r in epi[1:] if "fp8 out" in r)
+    assert all("fp8 out" in r and "BLOCK_V=128" in r for r in epi[1:13] if "fp8 out" in r)
+    # then where the vLLM plugin keeps vLLM's bmm: the crossover table itself
+    want = f"16 heads fp8 out <= {epi_configs.fuse_max_tokens(16, True, 'cuda')}"
+    assert "epilogue in vLLM, fused up to" in epi[13] and want in epi[13], epi[13]
     assert cli.plan_lines(platform_from("cpu")) == [
         "  launch plan: none (no Triton backend here: the PyTorch fallback runs)"
     ]

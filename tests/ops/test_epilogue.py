@@ -1223,3 +1223,18 @@ def test_plan_buckets_and_tiles(device):
     assert plans[1].constexprs == plans[16].constexprs
     assert plans[17].constexprs == plans[127].constexprs
     assert plans[128].constexprs == plans[1000].constexprs
+
+
+def test_fuse_max_tokens_follows_the_measured_crossovers():
+    """Where an engine's own W_UV bmm (+ its FP8 quant) is faster, the plugin keeps it: the
+    crossover table is per output kind and head count, conservative between head counts, and
+    the interpreter (tests) always fuses."""
+    f = configs.fuse_max_tokens
+    assert f(16, True, "cuda") >= f(128, True, "cuda") > 0  # FP8 out: fewer heads fuse longer
+    assert f(16, False, "cuda") > f(128, False, "cuda") == 0  # bf16 out at 128 heads: cuBLAS
+    for fp8 in (True, False):
+        assert f(8, fp8, "cuda") == f(16, fp8, "cuda")
+        assert f(32, fp8, "cuda") == f(64, fp8, "cuda") == f(128, fp8, "cuda")
+        assert f(256, fp8, "cuda") == f(128, fp8, "cuda")
+        assert f(16, fp8, "rocm") == f(16, fp8, "cuda")  # CUDA's until measured
+        assert f(128, fp8, "interpreter") > 1 << 40

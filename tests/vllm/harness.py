@@ -277,6 +277,21 @@ def first_ties(ref: dict, margin: float = TIE_MARGIN) -> dict[str, int]:
     return out
 
 
+def noise_tie_margin(noisy: dict, ref: dict, margin: float = TIE_MARGIN) -> float:
+    """The near-tie margin a model's own noise calls for: the largest margin (in ``ref``) of a
+    greedy token that bf16-sized noise in vLLM's own path (``noisy``) flipped before a
+    ``margin`` near tie, else ``margin``. A block-FP8 model's activation quantization turns a
+    rounding difference into code steps, so its noise flips tokens of wider margins than a
+    bf16 model's does; a fused run may flip what its noise flips, and nothing wider."""
+    wide = margin
+    for rid, tie in first_ties(ref, margin).items():
+        a, b = noisy["tokens"][rid][:tie], ref["tokens"][rid][:tie]
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is not None:
+            wide = max(wide, float(ref["margins"][rid][i]) + 1e-6)
+    return wide
+
+
 def token_problems(run: dict, ref: dict, margin: float = TIE_MARGIN) -> list[str]:
     """Greedy tokens that differ before the request's first near tie (the tie's own token may
     flip; nothing before it may)."""

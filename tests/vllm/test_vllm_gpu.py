@@ -32,7 +32,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from harness import Spec, accounting_problems, deviation, judge, stats, token_problems  # noqa: E402
+from harness import (  # noqa: E402
+    Spec,
+    accounting_problems,
+    deviation,
+    judge,
+    noise_tie_margin,
+    stats,
+    token_problems,
+)
 
 _MISSING = harness.vllm_missing()
 DRYRUN = os.environ.get("FUSEMLA_VLLM_GPU_DRYRUN") == "1"
@@ -505,11 +513,27 @@ def test_epilogue_matches_vllm(gpu_runs, model, mode):
     s = stats(on)
     layers = on["backends"][0]["layers"]
     assert s["layers_epilogue"] == layers and not s.get("layers_epilogue_vllm"), s
-    assert s["epilogue_calls"] == s["decode_calls"] > 0, s
+    # decode steps of this schedule hold at most 8 tokens: fused wherever the H200's measured
+    # crossover allows that many (configs.fuse_max_tokens; at 128 heads with a bf16 output
+    # cuBLAS's bmm is faster at every batch, so vLLM's bmm runs)
+    from fusemla.ops.epilogue.configs import fuse_max_tokens
+
+    if DRYRUN or fuse_max_tokens(_heads(model), False, "cuda") >= 8:
+        assert s["epilogue_calls"] == s["decode_calls"] > 0, s
+        if not DRYRUN:
+            k = _kernels(on)
+            assert 0 < k["fusemla_epilogue"] <= k["fusemla_prologue"], k
+    else:
+        assert not s.get("epilogue_calls") and s["epilogue_vllm_tokens"] == s["decode_tokens"], s
+        assert _kernels(on)["fusemla_epilogue"] == 0
     if not DRYRUN:
-        k = _kernels(on)
-        assert 0 < k["fusemla_epilogue"] <= k["fusemla_prologue"], k
         assert _kernels(off)["fusemla_epilogue"] == 0
+
+
+def _heads(model: str) -> int:
+    import engine_run
+
+    return engine_run.shape_dims(model)[0]
 
 
 @pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
@@ -547,7 +571,10 @@ def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
         {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"], "stats": s,
          "kernels_on": on["kernels"]},
     )  # fmt: skip
-    assert token_problems(on, off) == []
+    # greedy tokens: what this model's own noise flips may flip (harness.noise_tie_margin)
+    tie = noise_tie_margin(noisy, off_e)
+    report["judged"][f"{model}/epilogue-fp8-{variant}/{mode}"]["tie_margin"] = tie
+    assert token_problems(on, off, margin=tie) == []
     assert judge(dev, floor) == []
     assert judge(bug, floor_bug) != [], (bug, floor_bug)  # it catches a planted bug here
     check_fused(on, off)

@@ -36,7 +36,31 @@ _GPU_TILES_FP8 = {
     "large": (64, 128, 128, 8, 3),
 }
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
+
+#: the largest decode batch at which the fused epilogue beat the unfused path on the H200
+#: (cuBLAS bmm into o_proj's input, + vLLM's per_token_group_quant_fp8 for an FP8 output;
+#: W_UV bf16 as vLLM holds it; benchmarks/results/h200_epilogue_a7b3bce.json), per output
+#: kind and head count: (fp8 output, heads up to) -> tokens. Above it an engine keeps its own
+#: path. Heads between two entries take the larger head count's (fewer tokens) entry.
+_FUSE_MAX_TOKENS = {
+    (True, 16): 512,  # 6.5 vs 8.0 us at B = 1, 10.2 vs 11.8 at 512
+    (True, 128): 32,  # 10.2 vs 12.0 at B = 1, 11.8 vs 13.4 at 32; 18.1 vs 15.3 at 64
+    (False, 16): 16,  # 4.13 vs 4.39 at B = 1, 4.40 vs 4.48 at 16; 6.3 vs 4.7 at 32
+    (False, 128): 0,  # 9.4 vs 8.2 at B = 1: cuBLAS's bmm is faster at every batch
+}
 _overrides: dict = {}
+
+
+def fuse_max_tokens(H: int, fp8_out: bool, backend: str) -> int:
+    """The largest token count for which the fused epilogue is the faster choice against an
+    engine's own W_UV bmm (+ its FP8 input quantization for ``fp8_out``) at ``H`` heads on
+    ``backend`` (:data:`_FUSE_MAX_TOKENS`, measured on CUDA; ROCm takes CUDA's until measured;
+    the interpreter always fuses: tests). Above it the engine's own path is faster."""
+    if backend == "interpreter":
+        return 1 << 62
+    heads = sorted(h for f, h in _FUSE_MAX_TOKENS if f == fp8_out)
+    h = next((x for x in heads if H <= x), heads[-1])
+    return _FUSE_MAX_TOKENS[(fp8_out, h)]
 
 
 def batch_bucket(N: int) -> str:
