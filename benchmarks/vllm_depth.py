@@ -670,6 +670,32 @@ def engine_env(
     return env
 
 
+_MEM_PATTERNS = {
+    # vLLM 0.33's gpu_worker lines (the engine core's log)
+    "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
+    "kv_cache_gib": r"Available KV cache memory: ([\d.]+) GiB",
+    "consumed_gib": r"Actual usage is ([\d.]+) GiB for consumed memory",
+    "peak_activation_gib": r"([\d.]+) GiB for peak activation",
+    "cudagraph_gib": r"([\d.]+) GiB for CUDAGraph memory",
+    "cudagraph_estimate_gib": r"CUDA graph pool memory: [\d.]+ GiB \(actual\), ([\d.]+) GiB",
+}
+
+
+def memory_of_log(text: str) -> dict:
+    """What vLLM's memory profile gave an engine, read off its log: KV-cache tokens and GiB,
+    peak activation, CUDA-graph pool (actual and vLLM's estimate). A plugin that raises the
+    profiled peak takes it out of the KV cache, so the pair's table shows both engines'."""
+    import re
+
+    out: dict = {}
+    for key, pat in _MEM_PATTERNS.items():
+        m = re.findall(pat, text)
+        if m:
+            v = m[-1].replace(",", "")
+            out[key] = int(v) if key == "kv_cache_tokens" else float(v)
+    return out
+
+
 def pair_main(args) -> None:
     """Engines one after the other (``--order``), each a process of its own; JSON per engine."""
     out_dir = Path(args.out_dir)
@@ -722,6 +748,12 @@ def pair_main(args) -> None:
         with open(out_dir / f"{tag}.log", "w") as log:
             rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         print(f"[depth] {tag} exit {rc} after {time.time() - t0:.0f} s", flush=True)
+        js = out_dir / f"{tag}.json"
+        if js.exists():  # the memory vLLM's profile gave this engine, beside its cells
+            res = json.loads(js.read_text())
+            res["memory"] = memory_of_log((out_dir / f"{tag}.log").read_text(errors="replace"))
+            js.write_text(json.dumps(res, indent=1))
+            print(f"[depth] {tag} memory: {json.dumps(res['memory'])}", flush=True)
         os.system(f"grep '^\\[depth\\]' {out_dir / f'{tag}.log'} | tail -40")
 
 
@@ -844,9 +876,11 @@ def compare(runs: list) -> str:
             cells.setdefault(key(r, c), {}).setdefault(r["variant"], []).append(c)
     lines = [
         "| shard | B | ctx | kv | sampling | same tokens | TPOT by difference | "
-        "core decode step | GPU span per step | GPU busy per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "core decode step | GPU span per step | GPU busy per step | KV-cache tokens | "
+        "peak activation GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    mem = {id(c): r.get("memory") or {} for r in runs for c in r["cells"]}
 
     def pct(on, off):
         return "" if on is None or off in (None, 0) else f"{100 * (on - off) / off:+.1f} %"
@@ -871,9 +905,16 @@ def compare(runs: list) -> str:
             f"{po.get('span_us_per_step', '')} -> {pn.get('span_us_per_step', '')} "
             f"({pct(pn.get('span_us_per_step'), po.get('span_us_per_step'))}) | "
             f"{po.get('busy_us_per_step', '')} -> {pn.get('busy_us_per_step', '')} "
-            f"({pct(pn.get('busy_us_per_step'), po.get('busy_us_per_step'))}) |"
+            f"({pct(pn.get('busy_us_per_step'), po.get('busy_us_per_step'))}) | "
+            f"{_arrow(mem[id(off)], mem[id(on)], 'kv_cache_tokens', pct)} | "
+            f"{_arrow(mem[id(off)], mem[id(on)], 'peak_activation_gib', pct)} |"
         )
     return "\n".join(lines)
+
+
+def _arrow(off: dict, on: dict, key: str, pct) -> str:
+    a, b = off.get(key), on.get(key)
+    return "" if a is None or b is None else f"{a} -> {b} ({pct(b, a)})"
 
 
 def smoke() -> None:
