@@ -115,11 +115,11 @@ def _install(model, inject: str, capture: bool) -> None:
     elif inject == "double_write":
         orig_fused = plugin._LayerState.fused_path
 
-        def double_write(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache):
+        def double_write(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache, *rest):
             n = int(md.num_actual_tokens)
             _, k_r = self.vllm_rope(positions[:n], q[:n], k_pe[:n])
             self.vllm_cache_write(kv_c[:n], k_r, kv_cache, slots[:n])
-            return orig_fused(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache)
+            return orig_fused(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache, *rest)
 
         plugin._LayerState.fused_path = double_write
     elif inject == "rope_off_by_one":
