@@ -651,22 +651,48 @@ def profile_window(llm, batch: int, context: int, args, vocab: int, sp) -> dict 
 # ------------------------------------------------------------------------------ driver
 
 
+#: the parts of an engine variant's name ("on", "off", or parts joined by "-": "epi-stored")
+VARIANT_PARTS = {
+    "on": {},
+    "epi": {"FUSEMLA_VLLM_EPILOGUE": "1"},  # the W_UV epilogue too (FP8 handoff where it can)
+    "epibf16": {"FUSEMLA_VLLM_EPILOGUE": "1", "FUSEMLA_VLLM_EPILOGUE_OUT": "bf16"},
+    "fp8": {"FUSEMLA_VLLM_W_UK": "fp8"},
+    "fp8xfp8": {"FUSEMLA_VLLM_W_UK": "fp8xfp8"},
+    "stored": {"FUSEMLA_VLLM_W_UK": "stored"},
+}
+
+
+def variant_env(variant: str) -> dict:
+    """The fusemla variables of engine ``variant``: "off" (the plugin off), "on" (the prologue),
+    or :data:`VARIANT_PARTS` joined by "-" (e.g. "epi-stored": prologue + epilogue, the
+    checkpoint's FP8 weights as stored); an unknown part raises (a typo must not time the
+    default)."""
+    if variant == "off":
+        return {"FUSEMLA_VLLM": "0"}
+    env = {"FUSEMLA_VLLM": "1"}
+    for part in variant.split("-"):
+        if part not in VARIANT_PARTS:
+            raise ValueError(
+                f"engine variant {variant!r}: unknown part {part!r} "
+                f"(off, or parts of {sorted(VARIANT_PARTS)} joined by '-')"
+            )
+        env.update(VARIANT_PARTS[part])
+    return env
+
+
 def engine_env(
     variant: str, cache_root, strip: tuple[str, ...] = ("FUSEMLA_",), **extra: str
 ) -> dict:
-    """The environment of one engine process of ``variant``: this one's without the variables
-    starting with ``strip``, the plugin off ("off") or on (any other; "fp8" / "fp8xfp8" are
-    ``FUSEMLA_VLLM_W_UK`` values), vLLM's cache under ``cache_root``, then ``extra``. Shared
-    with bench_vllm.py."""
+    """The environment of one engine process of ``variant`` (:func:`variant_env`): this one's
+    without the variables starting with ``strip``, the variant's, vLLM's cache under
+    ``cache_root``, then ``extra``. Shared with bench_vllm.py."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(strip)}
     env.update(
-        FUSEMLA_VLLM="0" if variant == "off" else "1",
+        variant_env(variant),
         PYTHONUNBUFFERED="1",
         VLLM_CACHE_ROOT=str(cache_root),
         **extra,
     )
-    if variant not in ("off", "on"):
-        env["FUSEMLA_VLLM_W_UK"] = variant
     return env
 
 
@@ -702,7 +728,10 @@ def pair_main(args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model = write_model(out_dir / f"model_{args.shard}", args.shard)
     cache_root = Path(args.cache_root or out_dir / "vllm_cache")
-    for i, variant in enumerate(args.order.split(",")):
+    order = args.order.split(",")
+    for variant in order:  # a typo raises before any engine starts
+        variant_env(variant)
+    for i, variant in enumerate(order):
         env = engine_env(
             variant,
             cache_root,
@@ -767,9 +796,12 @@ def latency_main(args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model = write_model(out_dir / f"model_{args.shard}", args.shard)
     cache_root = Path(args.cache_root or out_dir / "vllm_cache")
+    order = args.order.split(",")
+    for variant in order:  # a typo raises before any engine starts
+        variant_env(variant)
     rows = []
     for b in args.batches:
-        for i, variant in enumerate(args.order.split(",")):
+        for i, variant in enumerate(order):
             env = engine_env(variant, cache_root, VLLM_USE_DEEP_GEMM="0")
             tag = f"latency_{args.shard}_{args.tag}_B{b}_{i}{variant}"
             js = out_dir / f"{tag}.json"
@@ -862,9 +894,10 @@ def table(runs: list) -> str:
 
 
 def compare(runs: list) -> str:
-    """On vs off per cell (same shard, B, context, cache dtype, sampling): the change of each
-    measure in percent of off (negative: the plugin is faster), and whether both engines
-    decoded the same tokens (then their MoE routing and expert traffic were the same)."""
+    """Every plugin-on variant against off per cell (same shard, B, context, cache dtype,
+    sampling): the change of each measure in percent of off (negative: the plugin is faster),
+    and whether both engines decoded the same tokens (then their MoE routing and expert
+    traffic were the same)."""
 
     def key(r, c):
         kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
@@ -875,10 +908,10 @@ def compare(runs: list) -> str:
         for c in r["cells"]:
             cells.setdefault(key(r, c), {}).setdefault(r["variant"], []).append(c)
     lines = [
-        "| shard | B | ctx | kv | sampling | same tokens | TPOT by difference | "
+        "| shard | B | ctx | kv | sampling | variant | same tokens | TPOT by difference | "
         "core decode step | GPU span per step | GPU busy per step | KV-cache tokens | "
         "peak activation GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mem = {id(c): r.get("memory") or {} for r in runs for c in r["cells"]}
 
@@ -888,27 +921,32 @@ def compare(runs: list) -> str:
     for k, by in sorted(
         cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])
     ):
-        if "off" not in by or "on" not in by:
+        if "off" not in by:
             continue
-        off, on = by["off"][0], by["on"][0]
-        same = sum(
-            x == y for a, b in zip(off["token_hashes"], on["token_hashes"]) for x, y in zip(a, b)
-        )
-        total = sum(len(a) for a in off["token_hashes"])
-        po, pn = off.get("profile") or {}, on.get("profile") or {}
-        lines.append(
-            f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {same}/{total} | "
-            f"{off['median_ms']:.3f} -> {on['median_ms']:.3f} "
-            f"({pct(on['median_ms'], off['median_ms'])}) | "
-            f"{_ms(off.get('core_step_median_ms'))} -> {_ms(on.get('core_step_median_ms'))} "
-            f"({pct(on.get('core_step_median_ms'), off.get('core_step_median_ms'))}) | "
-            f"{po.get('span_us_per_step', '')} -> {pn.get('span_us_per_step', '')} "
-            f"({pct(pn.get('span_us_per_step'), po.get('span_us_per_step'))}) | "
-            f"{po.get('busy_us_per_step', '')} -> {pn.get('busy_us_per_step', '')} "
-            f"({pct(pn.get('busy_us_per_step'), po.get('busy_us_per_step'))}) | "
-            f"{_arrow(mem[id(off)], mem[id(on)], 'kv_cache_tokens', pct)} | "
-            f"{_arrow(mem[id(off)], mem[id(on)], 'peak_activation_gib', pct)} |"
-        )
+        off = by["off"][0]
+        for variant in sorted(v for v in by if v != "off"):
+            on = by[variant][0]
+            same = sum(
+                x == y
+                for a, b in zip(off["token_hashes"], on["token_hashes"])
+                for x, y in zip(a, b)
+            )
+            total = sum(len(a) for a in off["token_hashes"])
+            po, pn = off.get("profile") or {}, on.get("profile") or {}
+            lines.append(
+                f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {variant} | {same}/{total} | "
+                f"{off['median_ms']:.3f} -> {on['median_ms']:.3f} "
+                f"({pct(on['median_ms'], off['median_ms'])}) | "
+                f"{_ms(off.get('core_step_median_ms'))} -> "
+                f"{_ms(on.get('core_step_median_ms'))} "
+                f"({pct(on.get('core_step_median_ms'), off.get('core_step_median_ms'))}) | "
+                f"{po.get('span_us_per_step', '')} -> {pn.get('span_us_per_step', '')} "
+                f"({pct(pn.get('span_us_per_step'), po.get('span_us_per_step'))}) | "
+                f"{po.get('busy_us_per_step', '')} -> {pn.get('busy_us_per_step', '')} "
+                f"({pct(pn.get('busy_us_per_step'), po.get('busy_us_per_step'))}) | "
+                f"{_arrow(mem[id(off)], mem[id(on)], 'kv_cache_tokens', pct)} | "
+                f"{_arrow(mem[id(off)], mem[id(on)], 'peak_activation_gib', pct)} |"
+            )
     return "\n".join(lines)
 
 

@@ -212,7 +212,11 @@ def _register_op() -> None:
     if _op_registered:
         return
 
-    @torch.library.custom_op(OP_NAME, mutates_args=("output",))
+    # q and k_pe are declared mutated: like vLLM's own wrapper (whose rotary embedding rotates
+    # them in place), the op rotates q_pe (prefill rows, vLLM's path) and k_pe (vLLM's path) in
+    # place instead of copying them first. A copy of q at vLLM's 16,384-token profile step is
+    # 0.75 GiB at 128 heads, taken from the KV cache (H200, a7b3bce: 7 % fewer KV tokens).
+    @torch.library.custom_op(OP_NAME, mutates_args=("q", "k_pe", "output"))
     def vllm_mla_attention(
         q: torch.Tensor,
         kv_c_normed: torch.Tensor,
@@ -228,7 +232,7 @@ def _register_op() -> None:
     def _fake(q, kv_c_normed, k_pe, positions, output, layer_name) -> None:
         return None
 
-    @torch.library.custom_op(OP_NAME_FP8, mutates_args=("output", "codes", "scales"))
+    @torch.library.custom_op(OP_NAME_FP8, mutates_args=("q", "k_pe", "output", "codes", "scales"))
     def vllm_mla_attention_fp8(
         q: torch.Tensor,
         kv_c_normed: torch.Tensor,
@@ -559,8 +563,8 @@ class _LayerState:
         _stats["o_proj_quant_rows"] += hi - lo
 
     def vllm_rope(self, positions, q, k_pe):
-        """vLLM's own rotation of a copy of ``q`` (q_pe part) and of ``k_pe`` ([n, 1, R])."""
-        q = q.clone()
+        """vLLM's own rotation of ``q``'s q_pe part and of ``k_pe`` ([n, 1, R]), in place as
+        vLLM's wrapper does it (the op declares both mutated); returns (q, rotated k_pe)."""
         q[..., self.P :], k_pe = self.ad.rope(self.rotary_emb, positions, q[..., self.P :], k_pe)
         _stats["vllm_rope_tokens"] += q.shape[0]
         return q, k_pe
@@ -597,8 +601,8 @@ class _LayerState:
         for span in split.spans:
             lo, hi, d = span.lo, span.hi, span.num_decode_tokens
             if span.fused:  # -- one fused launch for every token fusemla handles
-                if hi > lo + d:
-                    q_pre = q[lo + d : hi].clone()
+                if hi > lo + d:  # prefill rows: q_pe rotated in place (q is mutable)
+                    q_pre = q[lo + d : hi]
                     k_pre = torch.empty(hi - lo - d, 1, R, dtype=q.dtype, device=q.device)
                 if d > 0:
                     q_dec = torch.empty(

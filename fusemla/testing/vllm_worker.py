@@ -117,7 +117,8 @@ def _install(model, inject: str, capture: bool) -> None:
 
         def double_write(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache, *rest):
             n = int(md.num_actual_tokens)
-            _, k_r = self.vllm_rope(positions[:n], q[:n], k_pe[:n])
+            # on copies: vLLM's rotation is in place, and this bug is the second write alone
+            _, k_r = self.vllm_rope(positions[:n], q[:n].clone(), k_pe[:n].clone())
             self.vllm_cache_write(kv_c[:n], k_r, kv_cache, slots[:n])
             return orig_fused(self, q, kv_c, k_pe, positions, output, md, slots, kv_cache, *rest)
 

@@ -1,0 +1,61 @@
+"""benchmarks/vllm_depth.py's engine variants (the environment each engine gets) and the
+comparison table of every variant against plugin off."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_depth import compare, engine_env, variant_env
+
+
+@pytest.mark.parametrize(
+    "variant,env",
+    [
+        ("off", {"FUSEMLA_VLLM": "0"}),
+        ("on", {"FUSEMLA_VLLM": "1"}),
+        ("epi", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_EPILOGUE": "1"}),
+        (
+            "epi-stored",
+            {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_EPILOGUE": "1", "FUSEMLA_VLLM_W_UK": "stored"},
+        ),
+        ("fp8", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_W_UK": "fp8"}),
+    ],
+)
+def test_variant_env(variant, env):
+    assert variant_env(variant) == env
+
+
+@pytest.mark.parametrize("variant", ["epilogue", "on-", "ep1", "OFF"])
+def test_unknown_variant_raises(variant):
+    with pytest.raises(ValueError, match="unknown part"):
+        variant_env(variant)
+
+
+def test_engine_env_drops_the_callers_fusemla_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE", "1")  # must not leak into an "on" engine
+    env = engine_env("on", tmp_path, X="1")
+    assert "FUSEMLA_VLLM_EPILOGUE" not in env
+    assert env["FUSEMLA_VLLM"] == "1" and env["X"] == "1"
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path)
+
+
+def _run(variant, ms, tokens):
+    cell = {
+        "batch": 1,
+        "context": 1000,
+        "sampling": "seeded",
+        "median_ms": ms,
+        "core_step_median_ms": ms,
+        "token_hashes": [tokens],
+        "profile": {"busy_us_per_step": ms * 1000},
+    }
+    return {"variant": variant, "config": {"num_attention_heads": 16}, "cells": [cell]}
+
+
+def test_compare_puts_every_variant_against_off():
+    runs = [_run("off", 10.0, [1, 2]), _run("on", 9.0, [1, 2]), _run("epi", 8.0, [1, 3])]
+    rows = [line for line in compare(runs).splitlines() if line.startswith("| tp8")]
+    assert len(rows) == 2
+    epi, on = rows  # sorted by variant name
+    assert "| epi |" in epi and "-20.0 %" in epi and "1/2" in epi
+    assert "| on |" in on and "-10.0 %" in on and "2/2" in on
