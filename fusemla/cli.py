@@ -178,17 +178,17 @@ def epilogue_plan_lines(info, dev) -> list[str]:
                     )
                 except Exception as exc:  # noqa: BLE001 - info reports, it never fails
                     out.append(f"    {name} W_UV, {kind}, {n} tokens: error: {exc}")
-    # where the vLLM plugin keeps vLLM's W_UV bmm instead (crossovers measured on the H200)
-    from fusemla.ops.epilogue.configs import fuse_max_tokens
+    # where the vLLM plugin runs the epilogue (measured faster in vLLM on the H200)
+    from fusemla.ops.epilogue.configs import describe_range, fuse_token_range
 
     parts = [
-        f"{h} heads {kind} <= {fuse_max_tokens(h, kind == 'fp8 out', 'cuda')}"
+        f"{h} heads {kind} {describe_range(*fuse_token_range(h, kind == 'fp8 out', 'cuda'))}"
         for h in (16, 128)
         for kind in ("bf16 out", "fp8 out")
     ]
     out.append(
-        "  epilogue in vLLM, fused up to (tokens per step; CUDA and ROCm; above: vLLM's bmm): "
-        + ", ".join(parts)
+        "  epilogue in vLLM, fused on steps of (tokens; CUDA and ROCm; "
+        "FUSEMLA_VLLM_EPILOGUE_TOKENS=measured; elsewhere vLLM's bmm): " + ", ".join(parts)
     )
     return out
 

@@ -173,9 +173,10 @@ VARIABLES: dict[str, EnvVar] = {
             "switch",
             False,
             "The plugin's decode tokens run fusemla's epilogue kernel (W_UV straight into "
-            "o_proj's input, bf16) instead of vLLM's _v_up_proj bmm. Off by default until "
-            "verified in vLLM on the GPU; fusemla.MLAAttention always runs it with its fused "
-            "decode.",
+            "o_proj's input, bf16 or FP8 codes and group scales) instead of vLLM's _v_up_proj "
+            "bmm, on the step sizes FUSEMLA_VLLM_EPILOGUE_TOKENS allows. Off by default: in "
+            "vLLM at full depth it has not yet made a decode step faster (docs/results.md); "
+            "fusemla.MLAAttention always runs it with its fused decode.",
             read="when vLLM builds a layer",
         ),
         EnvVar(
@@ -187,6 +188,18 @@ VARIABLES: dict[str, EnvVar] = {
             "where o_proj is such a linear; bf16 elsewhere, with the reason logged) or bf16 "
             "(always the activations' dtype, o_proj quantizes as it does in vLLM).",
             values=_choice("auto", "bf16"),
+            read="when vLLM builds a layer",
+        ),
+        EnvVar(
+            "FUSEMLA_VLLM_EPILOGUE_TOKENS",
+            "choice",
+            "measured",
+            "On which decode steps the plugin's epilogue runs: measured (only where it was "
+            "measured faster than vLLM's W_UV bmm + o_proj's quantization in vLLM on the GPU, "
+            "per head count, output kind and step size: `fusemla info` prints the ranges; "
+            "elsewhere vLLM's own code runs) or all (every decode step: the correctness tests, "
+            "and users timing their own GPU).",
+            values=_choice("measured", "all"),
             read="when vLLM builds a layer",
         ),
         EnvVar(

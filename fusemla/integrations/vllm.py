@@ -77,6 +77,7 @@ W_UK_ENV = "FUSEMLA_VLLM_W_UK"
 W_UK_MODES = ("as-is", "fp8", "fp8xfp8", "stored")
 EPILOGUE_ENV = "FUSEMLA_VLLM_EPILOGUE"
 EPILOGUE_OUT_ENV = "FUSEMLA_VLLM_EPILOGUE_OUT"
+EPILOGUE_TOKENS_ENV = "FUSEMLA_VLLM_EPILOGUE_TOKENS"
 OP_NAME_FP8 = "fusemla::vllm_mla_attention_fp8"
 
 logger = logging.getLogger("vllm.fusemla")  # replaced by vLLM's own logger in register()
@@ -124,7 +125,8 @@ def stats() -> dict[str, int]:
     FP8 codes + group scales (``FUSEMLA_VLLM_EPILOGUE_OUT=auto``, a block-FP8 o_proj) / bf16;
     ``epilogue_fp8_tokens``: decode tokens the epilogue wrote as FP8;
     ``epilogue_vllm_tokens``: decode tokens of epilogue layers left to vLLM's bmm because the
-    step had more than the measured crossover (``configs.fuse_max_tokens``); ``o_proj_quant_rows``:
+    step's size is outside the range measured faster (``configs.fuse_token_range``;
+    ``FUSEMLA_VLLM_EPILOGUE_TOKENS=all``: none); ``o_proj_quant_rows``:
     rows of an FP8-handoff layer quantized by o_proj's own quantization (prefill, vLLM's
     path); ``stored_builds``: W_UK_T / W_UV pairs read from a block-FP8 ``kv_b_proj`` as stored
     (``FUSEMLA_VLLM_W_UK=stored``).
@@ -302,7 +304,9 @@ class _LayerState:
         self.epilogue = epilogue and fused_dec  # FUSEMLA_VLLM_EPILOGUE (decode tokens only)
         self._epi_key = None
         self._epi_spec = None
-        self._epi_max: int | None = None  # epilogue_max_tokens, decided at the first step
+        # the decode step sizes the epilogue runs on (epilogue_tokens), decided at the first step
+        self._epi_range: tuple[int, int] | None = None
+        self._epi_all = envs.get(EPILOGUE_TOKENS_ENV) == "all"
         # o_proj's FP8 input (FUSEMLA_VLLM_EPILOGUE_OUT=auto, a block-FP8 o_proj): the op writes
         # codes + group scales in o_proj's layout and the wrapper calls its GEMM on them
         self.o_fp8 = o_fp8 if self.epilogue else None
@@ -431,18 +435,34 @@ class _LayerState:
                 _stats["spec_builds_in_capture"] += 1
         return self._epi_spec
 
-    def epilogue_max_tokens(self, q: torch.Tensor) -> int:
-        """Decode steps of more tokens than this keep vLLM's W_UV bmm (there it is the faster
-        path: :func:`fusemla.ops.epilogue.configs.fuse_max_tokens`); decided per step, so
-        per captured CUDA graph size."""
-        if self._epi_max is None:
+    def epilogue_tokens(self, q: torch.Tensor) -> tuple[int, int]:
+        """``(lo, hi)``: decode steps of ``lo <= tokens <= hi`` run the epilogue, the others
+        keep vLLM's W_UV bmm, where it was measured faster in vLLM
+        (:func:`fusemla.ops.epilogue.configs.fuse_token_range`;
+        ``FUSEMLA_VLLM_EPILOGUE_TOKENS=all``: every step); decided per step, so per captured
+        CUDA graph size."""
+        if self._epi_range is None:
             from fusemla.ops.common import backend_of
-            from fusemla.ops.epilogue.configs import fuse_max_tokens
+            from fusemla.ops.epilogue.configs import describe_range, fuse_token_range
 
-            self._epi_max = fuse_max_tokens(
-                q.shape[1], self.o_fp8 is not None, backend_of(q.device)
+            try:
+                backend = backend_of(q.device)
+            except ValueError:  # CPU tensors without the interpreter: the PyTorch reference
+                backend = "interpreter"
+            if self._epi_all:
+                self._epi_range = (1, 1 << 62)
+            else:
+                self._epi_range = fuse_token_range(q.shape[1], self.o_fp8 is not None, backend)
+            _log_once(
+                logging.INFO,
+                "fusemla: the epilogue runs on decode steps of %s tokens (%d heads, %s out; "
+                "FUSEMLA_VLLM_EPILOGUE_TOKENS=%s), vLLM's W_UV bmm on the others",
+                describe_range(*self._epi_range),
+                q.shape[1],
+                "FP8" if self.o_fp8 is not None else "bf16",
+                "all" if self._epi_all else "measured",
             )
-        return self._epi_max
+        return self._epi_range
 
     def epilogue_reason(self, q: torch.Tensor) -> str | None:
         """Why this layer's decode tokens keep vLLM's _v_up_proj (None: the epilogue runs)."""
@@ -646,7 +666,8 @@ class _LayerState:
             ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
         self.quantize_rows(output, codes, scales, D, n)
         if D > 0:
-            if split.decode_fused and self.epilogue and D <= self.epilogue_max_tokens(q):
+            lo, hi = self.epilogue_tokens(q) if self.epilogue else (1, 0)
+            if split.decode_fused and lo <= D <= hi:
                 from fusemla.ops.epilogue.api import mla_epilogue_step
 
                 o = ad.decode_mqa(a, q_dec, cache, md).view(D, -1, L)

@@ -569,8 +569,9 @@ def test_info_prints_the_plan():
         assert f"{n:>3} tokens: {epi_configs.batch_bucket(n)} tiles" in r, r
     assert all("fp8 out" in r and "BLOCK_V=128" in r for r in epi[1:13] if "fp8 out" in r)
     # then where the vLLM plugin keeps vLLM's bmm: the crossover table itself
-    want = f"16 heads fp8 out <= {epi_configs.fuse_max_tokens(16, True, 'cuda')}"
-    assert "epilogue in vLLM, fused up to" in epi[13] and want in epi[13], epi[13]
+    r = epi_configs.describe_range(*epi_configs.fuse_token_range(16, True, "cuda"))
+    want = f"16 heads fp8 out {r}"
+    assert "epilogue in vLLM, fused on steps of" in epi[13] and want in epi[13], epi[13]
     assert cli.plan_lines(platform_from("cpu")) == [
         "  launch plan: none (no Triton backend here: the PyTorch fallback runs)"
     ]

@@ -572,3 +572,65 @@ def test_q_rotated_in_place_no_copy(monkeypatch, path):
         assert torch.equal(q[D:, :, P:], q_rot[D:])
         assert torch.equal(q[..., :P], q0[..., :P]) and torch.equal(q[:D], q0[:D])
         assert plugin.stats()["prologue_calls"] == 1
+
+
+# ------------------------------------------------------------------ the epilogue's step range
+
+
+class _EpiStepAdapter(_StepAdapter):
+    def decode_mqa(self, attn, q, cache, md):
+        return torch_randn(q.shape[0], q.shape[1], 16)
+
+    def decode_attention(self, attn, q, cache, md, output):
+        self.seen["vllm_bmm"] = q.shape[0]
+
+
+def torch_randn(*shape):
+    import torch
+
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens_env", ["measured", "all"])
+def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
+    """FUSEMLA_VLLM_EPILOGUE=1: decode steps whose size lies in the range measured faster in
+    vLLM (configs.fuse_token_range) run fusemla's epilogue, the others vLLM's W_UV bmm, decided
+    per step (so per captured graph size) and counted; FUSEMLA_VLLM_EPILOGUE_TOKENS=all runs
+    it on every step."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+    from fusemla.ops.epilogue import api as epi_api
+    from fusemla.ops.epilogue import configs as epi_configs
+
+    monkeypatch.setattr(plugin, "_stats", plugin.Counter())
+    monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE_TOKENS", tokens_env)
+    monkeypatch.setattr(epi_configs, "fuse_token_range", lambda H, fp8, be: (2, 3))
+    ran = []
+    monkeypatch.setattr(epi_api, "mla_epilogue_step", lambda spec, o, out: ran.append(o.shape[0]))
+    H, P, R, L, V = 2, 8, 4, 16, 8
+    rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(64, R), is_neox_style=False)
+    w = torch.randn(L, H, P, dtype=torch.bfloat16).permute(1, 2, 0)
+    layer = _layer("l0", rotary, w, P=P, R=R, L=L, V=V)
+    layer.mla_attn.W_UV = torch.randn(H, L, V, dtype=torch.bfloat16)
+    cache = torch.randn(4, 16, L + R, dtype=torch.bfloat16)
+    for D in (1, 2, 3, 4):
+        adapter = _EpiStepAdapter(D, D, cache)
+        st = plugin._LayerState(adapter, layer, True, True, epilogue=True)
+        st._checked = True  # the runtime check reads vLLM internals this fake does not have
+        monkeypatch.setattr(st, "epilogue_spec", lambda: None)
+        adapter.slots = torch.randperm(64)[:D]
+        q = torch.randn(D, H, P + R, dtype=torch.bfloat16)
+        st.run(
+            q,
+            torch.randn(D, L, dtype=torch.bfloat16),
+            torch.randn(D, 1, R, dtype=torch.bfloat16),
+            torch.randint(0, 64, (D,)),
+            torch.empty(D, H * V, dtype=torch.bfloat16),
+        )
+        fused = tokens_env == "all" or 2 <= D <= 3
+        assert (ran[-1:] == [D]) == fused and ("vllm_bmm" in adapter.seen) != fused, D
+    s = plugin.stats()
+    want = [1, 2, 3, 4] if tokens_env == "all" else [2, 3]
+    assert ran == want
+    assert s["epilogue_tokens"] == sum(want) and s.get("epilogue_vllm_tokens", 0) == 10 - sum(want)

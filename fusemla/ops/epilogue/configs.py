@@ -37,30 +37,44 @@ _GPU_TILES_FP8 = {
 }
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
-#: the largest decode batch at which the fused epilogue beat the unfused path on the H200
-#: (cuBLAS bmm into o_proj's input, + vLLM's per_token_group_quant_fp8 for an FP8 output;
-#: W_UV bf16 as vLLM holds it; benchmarks/results/h200_epilogue_a7b3bce.json), per output
-#: kind and head count: (fp8 output, heads up to) -> tokens. Above it an engine keeps its own
-#: path. Heads between two entries take the larger head count's (fewer tokens) entry.
-_FUSE_MAX_TOKENS = {
-    (True, 16): 512,  # 6.5 vs 8.0 us at B = 1, 10.2 vs 11.8 at 512
-    (True, 128): 32,  # 10.2 vs 12.0 at B = 1, 11.8 vs 13.4 at 32; 18.1 vs 15.3 at 64
-    (False, 16): 16,  # 4.13 vs 4.39 at B = 1, 4.40 vs 4.48 at 16; 6.3 vs 4.7 at 32
-    (False, 128): 0,  # 9.4 vs 8.2 at B = 1: cuBLAS's bmm is faster at every batch
+#: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
+#: vLLM on the H200, per output kind and head count: (fp8 output, heads up to) -> range;
+#: outside it (and where ``lo > hi``: nowhere) an engine keeps its own W_UV bmm (+ o_proj's
+#: input quantization for an FP8 output). Heads between two entries take the larger head
+#: count's entry. From vLLM at full depth (61 layers, full CUDA graphs; per-layer kernel time
+#: in the engine's own profile, benchmarks/results/h200_vllm033_depth_tp8_9804a32.json), not
+#: from the 8-layer kernel benchmark, which held the 16-head weights in L2 and charged its
+#: baseline a scale copy vLLM does not run (a7b3bce: 6.5 vs 8.0 us at 16 heads, B = 1):
+#:
+#: - 16 heads, FP8 out: fused 6.69 us against vLLM's bmm 3.31 + quant 2.10 at B = 1 (slower);
+#:   6.10 against 3.93 + 2.40 at B = 32 (faster). Between and beyond, the benchmark's rows
+#:   shifted by those two points' offsets: slower at 8 and 16, faster at 64, slower at 128.
+#: - 128 heads, FP8 out, and bf16 out at both: slower at every batch by the same estimate
+#:   (not yet measured in vLLM: the full-depth runs are FP8 checkpoints at 16 heads).
+_FUSE_TOKENS = {
+    (True, 16): (32, 64),
+    (True, 128): (1, 0),
+    (False, 16): (1, 0),
+    (False, 128): (1, 0),
 }
 _overrides: dict = {}
 
 
-def fuse_max_tokens(H: int, fp8_out: bool, backend: str) -> int:
-    """The largest token count for which the fused epilogue is the faster choice against an
-    engine's own W_UV bmm (+ its FP8 input quantization for ``fp8_out``) at ``H`` heads on
-    ``backend`` (:data:`_FUSE_MAX_TOKENS`, measured on CUDA; ROCm takes CUDA's until measured;
-    the interpreter always fuses: tests). Above it the engine's own path is faster."""
+def fuse_token_range(H: int, fp8_out: bool, backend: str) -> tuple[int, int]:
+    """``(lo, hi)``: the decode steps of ``lo <= tokens <= hi`` on which the fused epilogue is
+    the faster choice against an engine's own W_UV bmm (+ its FP8 input quantization for
+    ``fp8_out``) at ``H`` heads on ``backend`` (:data:`_FUSE_TOKENS`, measured on CUDA; ROCm
+    takes CUDA's until measured; the interpreter always fuses: tests). Empty when ``lo > hi``."""
     if backend == "interpreter":
-        return 1 << 62
-    heads = sorted(h for f, h in _FUSE_MAX_TOKENS if f == fp8_out)
+        return 1, 1 << 62
+    heads = sorted(h for f, h in _FUSE_TOKENS if f == fp8_out)
     h = next((x for x in heads if H <= x), heads[-1])
-    return _FUSE_MAX_TOKENS[(fp8_out, h)]
+    return _FUSE_TOKENS[(fp8_out, h)]
+
+
+def describe_range(lo: int, hi: int) -> str:
+    """``"32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
+    return "none" if lo > hi else "all" if hi >= 1 << 40 and lo <= 1 else f"{lo}-{hi}"
 
 
 def batch_bucket(N: int) -> str:
