@@ -35,6 +35,9 @@ FULL = dict(P=128, L=512, V=128)
 SMOKE = dict(P=32, L=64, V=32)
 HEADS, BATCHES = [16, 128], [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 SWEEP_BATCHES = [1, 16, 64, 256]
+#: (output, W_UV) kinds: bf16 out of bf16 W (vLLM's own W_UV), FP8 out of bf16 W (the plugin's
+#: default FP8 handoff) and of block-FP8 W (FUSEMLA_VLLM_W_UK=stored)
+KINDS = (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8_block"))
 GROUP = 128
 SMOKE_GROUP = 16
 
@@ -292,17 +295,19 @@ def sweep(b: Bench, a, vllm_quant) -> None:
         dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp)
         for bt in (16, 32, 64)
         for bv in (32, 64, 128)
-        for bk in ((16,) if b.smoke else (64, 128))
-        for nw, ns in ((4, 3), (8, 3), (4, 2))
+        for bk in ((16,) if b.smoke else (64, 128, 256))
+        # deeper pipelines (4-5 stages: at 16 heads and one token tile a program streams a
+        # whole head's W_UV, 128 KiB, and more of it in flight is the only lever) and 16 warps
+        for nw, ns in ((4, 3), (8, 3), (4, 2), (8, 4), (8, 5), (16, 3))
         for sp in (1, 2, 4, 8)
     ]
     for H in a.heads:
         weights = all_layer_weights(b, H)
         for B in a.sweep_batches:
             xs = attention_outputs(b, H, B)
-            # (out, W_UV): bf16 out of bf16 W (vLLM's own W_UV), FP8 out of bf16 W (the
-            # plugin's default FP8 handoff) and of block-FP8 W (FUSEMLA_VLLM_W_UK=stored)
-            for out, w_name in (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8_block")):
+            for out, w_name in KINDS:
+                if f"{out}/{w_name}" not in a.sweep_kinds:
+                    continue
                 fp8 = out == "fp8"
                 layers = [w[0] if w_name == "bf16" else w[1] for w in weights]
                 blk = layers[0].block[0] if w_name == "fp8_block" else 128
@@ -357,6 +362,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--sweep", action="store_true", help="the tile sweep at a few batches")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=SWEEP_BATCHES)
+    ap.add_argument(
+        "--sweep-kinds",
+        nargs="+",
+        default=[f"{o}/{w}" for o, w in KINDS],
+        choices=[f"{o}/{w}" for o, w in KINDS],
+        help="the sweep's output/W_UV kinds (default: all)",
+    )
     ap.add_argument("--no-rows", action="store_true")
     a = ap.parse_args(argv)
     if a.smoke:

@@ -726,6 +726,34 @@ def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights,
             assert torch.equal(_bytes(t1), _bytes(t2))
 
 
+def test_split_counters_are_zero_after_every_launch_and_shared_across_splits(device):
+    """The split launches' arrival counters live in one buffer per device and stream, never
+    zeroed by the launcher after it is made: each item's last program sets its counter back
+    to 0. Launches of different SPLIT (and a 2-chunk latent, the shortest split) one after the
+    other on that buffer all match the reference, and leave every counter at 0."""
+    d = _dims(device)
+    g = _gen("split-counters")
+    H, L, V = d["H"], d["L"], d["V"]
+    x = _act(19, H, L, g, BF16, device)
+    w = _plain_w(H, L, V, g, BF16, device)
+    bk = 16 if device == "cpu" else 64
+    kw = dict(out_dtype=FP8, group_size=32)
+    ref = fusemla.mla_epilogue_ref(x, w, **kw)
+    for split in (2, 4, 2, L // bk):
+        a = prepare(x, w, **kw)
+        for t in (a.out, a.scale_out):
+            t.copy_(poisoned(t.shape, t.dtype, t.device))
+        cfg = dict(BLOCK_K=bk, SPLIT=split)
+        pl = launch_mod.plan(a, cfg=cfg)
+        cnt = launch_mod.split_counters(x.device, pl.n_items)
+        assert cnt.numel() >= pl.n_items
+        cnt[: pl.n_items].fill_(0)  # what a fresh buffer holds; a stale count would show below
+        launch_mod.launch(a, cfg)
+        assert launch_mod.split_counters(x.device, pl.n_items).data_ptr() == cnt.data_ptr()
+        assert int(cnt.count_nonzero()) == 0, f"SPLIT={split}: counters left non-zero"
+        _check(x, w, a.result, ref, group=32)
+
+
 def test_split_that_does_not_divide_the_latent_is_refused(device):
     d = _dims(device)
     g = _gen("split-bad")

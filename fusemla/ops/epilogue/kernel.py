@@ -19,7 +19,8 @@ max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two
 ``SPLIT`` > 1: each item's latent is cut among SPLIT programs; each writes its fp32 partial
 product to a workspace ``[SPLIT, N, H*V]``, then bumps the item's arrival counter (acquire /
 release); the last to arrive adds the SPLIT partials in split order (so the sum does not depend
-on which program is last) and finishes the item. The launcher zeroes the counters per launch.
+on which program is last), sets the counter back to 0 and finishes the item. The counters are
+a buffer the launcher keeps per device and stream, zero between launches: no memset per launch.
 
 ``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
 written by the kernel before, so they overlap it); the activations only after it.
@@ -224,6 +225,9 @@ def mla_epilogue_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         last = tl.atomic_add(p_cnt + item, 1, sem="acq_rel") == SPLIT - 1
         if last:
+            # no other program touches this counter again in this launch: back to 0 for the
+            # next launch that shares the buffer (the launcher zeroes it only when it makes it)
+            tl.atomic_xchg(p_cnt + item, 0, sem="relaxed")
             acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
             for j in tl.static_range(SPLIT):
                 acc += tl.load(p_part + j * s_wk_s, mask=m_o, other=0.0, cache_modifier=".cg")

@@ -7,6 +7,7 @@ registered custom op call. Neither validates (that happened once, in
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,31 @@ def plan(
     )
 
 
+#: the split items' arrival counters, per (device, stream): int32, zero between launches (the
+#: last program of an item to arrive sets its counter back to 0), so a launch needs no memset
+#: of its own. Buffers are never dropped: a CUDA graph captured with one keeps its address.
+_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 arrival counters for a split launch on ``device`` and the
+    current stream (launches on one stream run one after the other, so they may share them).
+    Allocated once per size class (a power of two), kept for the process's life; a buffer
+    first made inside a CUDA-graph capture is zeroed by a memset the graph replays, which
+    leaves it zero as every launch does."""
+    dev = torch.device(device)
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (str(dev), stream)
+    with _COUNTERS_LOCK:
+        bufs = _COUNTERS.setdefault(key, [])
+        if not bufs or bufs[-1].numel() < n:
+            bufs.append(
+                torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=dev)
+            )
+        return bufs[-1]
+
+
 def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
     """Launch the kernel on validated arguments: the pointers and strides of ``args``, and
     everything else as :func:`plan` decides."""
@@ -131,9 +157,9 @@ def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
     x, o = args.attn_out, args.out
     so = args.scale_out
     p_os, s_os = (so, tuple(so.stride())) if so is not None else (o, (0, 0))
-    if pl.split > 1:  # the partial sums' workspace and the items' arrival counters (zeroed)
+    if pl.split > 1:  # the partial sums' workspace and the items' arrival counters
         wk = torch.empty(pl.split, args.N, o.shape[1], dtype=torch.float32, device=o.device)
-        cnt = torch.zeros(pl.n_items, dtype=torch.int32, device=o.device)
+        cnt = split_counters(o.device, pl.n_items)
         p_wk, s_wk = wk, (wk.stride(0), wk.stride(1))
     else:
         p_wk, s_wk, cnt = o, (0, 0), o
