@@ -7,11 +7,16 @@ checked on the captured graph before it is timed (outputs poisoned, replayed, co
 the fp32 reference: bf16 within one ulp, FP8 scales to fp32 rounding and codes within one
 step); with vLLM importable, the FP8 rows are also compared with vLLM's own quantization of
 the bf16-rounded product, and the baseline's quantization is vLLM's kernel (else a Triton
-stand-in written here, named so in the JSON). Timing: docs/method.md (eight layers of weights,
-one CUDA graph, median). ``--sweep``: the tile configs at a few batches. ``--smoke``: the CPU
-run (Triton's interpreter, small dims, every row still checked; the times mean nothing).
+stand-in written here, named so in the JSON). Timing: docs/method.md (at least eight layers of
+weights and enough that their W_UV exceeds 3x the L2, one CUDA graph, median). ``--sweep``: the
+tile configs at a few batches (``--sweep-grid split``: the small-batch study of more programs
+per head, a split latent and FP8 groups cut among programs, in a few minutes).
+``--smoke``: the CPU run (Triton's interpreter, small dims, every row still checked; the times
+mean nothing).
 
     python -m benchmarks run bench_epilogue --out benchmarks/results/h200_epilogue.json
+    python -m benchmarks.bench_epilogue --heads 16 --no-rows --sweep --sweep-grid split \
+        --sweep-batches 1 32 --sweep-kinds fp8/bf16 fp8/fp8_block --out D/h200_epilogue_split.json
 """
 
 from __future__ import annotations
@@ -289,18 +294,40 @@ def rows(b: Bench, a, vllm_quant) -> None:
         b.save()
 
 
-def sweep(b: Bench, a, vllm_quant) -> None:
-    dims = b.dims
-    grid = [
-        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp)
-        for bt in (16, 32, 64)
-        for bv in (32, 64, 128)
-        for bk in ((16,) if b.smoke else (64, 128, 256))
+#: the sweep's tile grids: "full" every combination; "split" the small-batch study of more
+#: programs per head (SPLIT of the latent, FP8 groups cut among GROUP / BLOCK_V programs) at
+#: the few pipeline shapes that won before, for a lease with little time
+GRIDS = {
+    "full": dict(
+        bt=(16, 32, 64),
+        bv=(32, 64, 128),
+        bk=(64, 128, 256),
         # deeper pipelines (4-5 stages: at 16 heads and one token tile a program streams a
         # whole head's W_UV, 128 KiB, and more of it in flight is the only lever) and 16 warps
-        for nw, ns in ((4, 3), (8, 3), (4, 2), (8, 4), (8, 5), (16, 3))
-        for sp in (1, 2, 4, 8)
+        nwns=((4, 3), (8, 3), (4, 2), (8, 4), (8, 5), (16, 3)),
+        sp=(1, 2, 4, 8),
+    ),
+    "split": dict(
+        bt=(16,), bv=(32, 64, 128), bk=(128,), nwns=((4, 3), (8, 3), (8, 5)), sp=(1, 2, 4)
+    ),
+}
+
+
+def sweep_grid(name: str, smoke: bool) -> list[dict]:
+    g = GRIDS[name]
+    return [
+        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp)
+        for bt in g["bt"]
+        for bv in g["bv"]
+        for bk in ((16,) if smoke else g["bk"])
+        for nw, ns in g["nwns"]
+        for sp in g["sp"]
     ]
+
+
+def sweep(b: Bench, a, vllm_quant) -> None:
+    dims = b.dims
+    grid = sweep_grid(a.sweep_grid, b.smoke)
     for H in a.heads:
         weights = all_layer_weights(b, H)
         for B in a.sweep_batches:
@@ -313,11 +340,13 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                 blk = layers[0].block[0] if w_name == "fp8_block" else 128
                 best = None
                 for cfg in grid:
+                    # more programs per head (a split latent, FP8 groups cut among
+                    # programs) is for small batches
+                    vsub = a.group // cfg["BLOCK_V"] if fp8 and cfg["BLOCK_V"] < a.group else 1
                     if (
-                        (fp8 and cfg["BLOCK_V"] < a.group)
-                        or cfg["BLOCK_T"] > max(16, 4 * B)
+                        cfg["BLOCK_T"] > max(16, 4 * B)
                         or blk % cfg["BLOCK_K"]
-                        or (cfg["SPLIT"] > 1 and B > 16)  # the latent split is for small batches
+                        or (cfg["SPLIT"] * vsub > 1 and B > 64)
                         or (dims["L"] // cfg["BLOCK_K"]) % cfg["SPLIT"]
                     ):
                         continue
@@ -334,7 +363,9 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                             dict(H=H, B=B, out=out, w_dtype=w_name, cfg=cfg, error=str(e)[:200])
                         )
                         continue
-                    b.sweep.append(dict(H=H, B=B, out=out, w_dtype=w_name, cfg=cfg, us=us))
+                    b.sweep.append(
+                        dict(H=H, B=B, out=out, w_dtype=w_name, cfg=cfg, vsub=vsub, us=us)
+                    )
                     if best is None or us < best[0]:
                         best = (us, cfg)
                 if best:
@@ -369,6 +400,7 @@ def main(argv=None) -> int:
         choices=[f"{o}/{w}" for o, w in KINDS],
         help="the sweep's output/W_UV kinds (default: all)",
     )
+    ap.add_argument("--sweep-grid", choices=sorted(GRIDS), default="full")
     ap.add_argument("--no-rows", action="store_true")
     a = ap.parse_args(argv)
     if a.smoke:

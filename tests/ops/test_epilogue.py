@@ -754,6 +754,52 @@ def test_split_counters_are_zero_after_every_launch_and_shared_across_splits(dev
         _check(x, w, a.result, ref, group=32)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("weights", ["plain", "head", "block"])
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_group_wider_than_the_v_tile_meets_in_the_workspace(device, weights, split, layout):
+    """An FP8 output whose group is wider than BLOCK_V: the group's GROUP / BLOCK_V programs
+    (x SPLIT of the latent) meet in the workspace and the last quantizes the whole group; codes
+    and scales agree with the reference (UE8M0 and plain scales, row- and column-major scale
+    outputs, two token tiles, every group of each head), the counters are left at 0, and a
+    second launch gives the same bytes."""
+    d = _dims(device)
+    g = _gen("vsub", weights, split, layout)
+    H, L, V = d["H"], d["L"], d["V"]
+    N = 21 if device == "cpu" else 37
+    x = _act(N, H, L, g, BF16, device)
+    if weights == "plain":
+        w = _plain_w(H, L, V, g, BF16, device)
+    elif weights == "head":
+        w = quantize_fp8_weight(_plain_w(H, L, V, g, torch.float32, device), per_head=True)
+    else:
+        blk = (32, 32) if device == "cpu" else (128, 128)
+        w = _kv_b_proj_w_uv(H, blk[0], L, V, blk, g, device)
+    bk = 16 if device == "cpu" else 64
+    cases = [(V, V // 4), (V // 2, 16)] if device == "cpu" else [(128, 32), (128, 64)]
+    for group, bv in cases:
+        for ue8m0 in (False, True):
+            kw = dict(
+                out_dtype=FP8, group_size=group, scale_ue8m0=ue8m0, scale_col_major=layout == "col"
+            )
+            ref = fusemla.mla_epilogue_ref(x, w, **kw)
+            cfg = dict(BLOCK_K=bk, BLOCK_V=bv, SPLIT=split)
+            runs = []
+            for _ in range(2):
+                a = prepare(x, w, **kw)
+                for t in (a.out, a.scale_out):
+                    t.copy_(poisoned(t.shape, t.dtype, t.device))
+                pl = launch_mod.plan(a, cfg=cfg)
+                assert pl.vsub == group // bv and pl.split == split
+                launch_mod.launch(a, cfg)
+                cnt = launch_mod.split_counters(x.device, pl.n_items)
+                assert int(cnt.count_nonzero()) == 0, "arrival counters left non-zero"
+                runs.append(a.result)
+            _check(x, w, runs[0], ref, group=group, ue8m0=ue8m0)
+            for t1, t2 in zip(runs[0], runs[1]):
+                assert torch.equal(_bytes(t1), _bytes(t2))
+
+
 def test_split_that_does_not_divide_the_latent_is_refused(device):
     d = _dims(device)
     g = _gen("split-bad")

@@ -1,8 +1,9 @@
 """Tiles of the epilogue kernel: per backend and batch bucket, the one place that picks them.
 
 ``SPLIT`` (default 1) cuts each item's latent into that many programs whose partial sums meet
-in a workspace (the last to arrive adds them in order: deterministic); the tables do not pick it
-yet (benchmarks sweep it with ``cfg``). Keyed on the output kind (bf16 / FP8 with its group), the
+in a workspace (the last to arrive adds them in order: deterministic), and for an FP8 output a
+``BLOCK_V`` below the group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same
+way; the tables pick neither yet (benchmarks sweep them with ``cfg``). Keyed on the output kind (bf16 / FP8 with its group), the
 weight's block rows and one of three batch buckets, never on the token count, so a serving loop compiles at most three variants per
 format. Under the Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide
 V tiles, 32-row latent chunks), so CPU tests run several V tiles, token tiles and chunks.
@@ -148,15 +149,14 @@ def tiles(
     return bucket, cfg
 
 
-def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
-    """Raise ValueError for tiles the kernel cannot run: a V tile holds whole groups, a latent
-    chunk lies inside one block of scale rows, every tile a power of two >= 16."""
+def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:  # noqa: ARG001
+    """Raise ValueError for tiles the kernel cannot run: every tile a power of two >= 16 (so
+    a V tile holds whole FP8 groups, or is a whole fraction of one: its GROUP / BLOCK_V tiles
+    then meet in a workspace, as SPLIT's do), a latent chunk inside one block of scale rows."""
     for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K"):
         v = cfg[k]
         if v < 16 or v & (v - 1):
             raise ValueError(f"{k}: expected a power of two >= 16, got {v}")
-    if group is not None and cfg["BLOCK_V"] % group:
-        raise ValueError(f"BLOCK_V={cfg['BLOCK_V']} does not hold whole groups of {group}")
     if block_k is not None and block_k % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} straddles the weight's {block_k}-row blocks")
     split = cfg.get("SPLIT", 1)

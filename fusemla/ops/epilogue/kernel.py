@@ -16,11 +16,14 @@ max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two
 ``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (IEEE division) on the e4m3 grid, ties to even;
 :mod:`fusemla.reference.epilogue` states the same rule in PyTorch.
 
-``SPLIT`` > 1: each item's latent is cut among SPLIT programs; each writes its fp32 partial
-product to a workspace ``[SPLIT, N, H*V]``, then bumps the item's arrival counter (acquire /
-release); the last to arrive adds the SPLIT partials in split order (so the sum does not depend
-on which program is last), sets the counter back to 0 and finishes the item. The counters are
-a buffer the launcher keeps per device and stream, zero between launches: no memset per launch.
+``SPLIT`` > 1: each item's latent is cut among SPLIT programs. ``VSUB`` > 1 (an FP8 output
+whose group is wider than the V tile): a group's VSUB V tiles are computed by VSUB programs.
+Either way the programs of one finishing tile (a token tile x ``BLOCK_V * VSUB`` columns of one
+head) each write their fp32 partial product to a workspace ``[SPLIT, N, H*V]``, then bump the
+tile's arrival counter (acquire / release); the last of the SPLIT x VSUB to arrive adds each
+column's SPLIT partials in split order (so the sum does not depend on which program is last),
+sets the counter back to 0 and finishes the whole tile. The counters are a buffer the launcher
+keeps per device and stream, zero between launches: no memset per launch.
 
 ``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
 written by the kernel before, so they overlap it); the activations only after it.
@@ -163,6 +166,7 @@ def mla_epilogue_kernel(
     FIX_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPLIT: tl.constexpr,
+    VSUB: tl.constexpr,
 ):
     """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
     scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
@@ -216,22 +220,52 @@ def mla_epilogue_kernel(
             acc = tl.dot(b_x, b_w, acc=acc)
     o_c = i_h * V + o_v  # the output's columns (h * V + v)
     m_o = m_t[:, None] & m_v[None, :]
-    last = True  # this program finishes the item (the only one, or the last of SPLIT)
-    if SPLIT > 1:
-        # the item's SPLIT partial sums meet in the workspace; the last to arrive adds them in
-        # split order (the same sum whichever program is last: deterministic) and finishes
-        p_part = p_wk + o_t64[:, None] * s_wk_t + o_c[None, :]
-        tl.store(p_part + i_s * s_wk_s, acc, mask=m_o)
+    if SPLIT * VSUB > 1:
+        # the finishing tile's SPLIT x VSUB partial products meet in the workspace; the last
+        # to arrive adds each column's SPLIT parts in split order (the same sum whichever
+        # program is last: deterministic) and finishes the whole tile (VSUB V tiles wide)
+        BLOCK_F: tl.constexpr = BLOCK_V * VSUB
+        i_f = i_v // VSUB
+        tile = i_t + n_t * (i_f + (NV // VSUB) * i_h)  # the finishing tile's counter
+        tl.store(p_wk + o_t64[:, None] * s_wk_t + o_c[None, :] + i_s * s_wk_s, acc, mask=m_o)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        last = tl.atomic_add(p_cnt + item, 1, sem="acq_rel") == SPLIT - 1
-        if last:
+        if tl.atomic_add(p_cnt + tile, 1, sem="acq_rel") == SPLIT * VSUB - 1:
             # no other program touches this counter again in this launch: back to 0 for the
             # next launch that shares the buffer (the launcher zeroes it only when it makes it)
-            tl.atomic_xchg(p_cnt + item, 0, sem="relaxed")
-            acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+            tl.atomic_xchg(p_cnt + tile, 0, sem="relaxed")
+            o_vf = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
+            o_cf = i_h * V + o_vf
+            m_of = m_t[:, None] & (o_vf < V)[None, :]
+            p_part = p_wk + o_t64[:, None] * s_wk_t + o_cf[None, :]
+            acc_f = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
             for j in tl.static_range(SPLIT):
-                acc += tl.load(p_part + j * s_wk_s, mask=m_o, other=0.0, cache_modifier=".cg")
-    if last:
+                acc_f += tl.load(p_part + j * s_wk_s, mask=m_of, other=0.0, cache_modifier=".cg")
+            _finish(
+                acc_f,
+                i_h,
+                i_f,
+                o_t64,
+                m_t,
+                o_cf,
+                m_of,
+                p_wsh,
+                p_o,
+                s_o_t,
+                p_os,
+                s_os_t,
+                s_os_g,
+                V,
+                BLOCK_T,
+                BLOCK_F,
+                W_FMT,
+                OUT_FP8,
+                FMAX,
+                GROUP,
+                UE8M0,
+                EPS,
+                FIX_BF16,
+            )
+    else:
         _finish(
             acc,
             i_h,

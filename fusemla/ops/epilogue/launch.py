@@ -38,6 +38,7 @@ class EpiloguePlan:
     cfg: dict
     n_items: int  # (token tile, V tile, head) items
     split: int  # programs per item (the latent cut in SPLIT parts; 1: one program per item)
+    vsub: int  # V tiles per FP8 group (a group wider than BLOCK_V: its tiles meet); else 1
     constexprs: dict
 
     @property
@@ -76,6 +77,8 @@ def plan(
             f"SPLIT={split} does not divide the {n_chunks} latent chunks of BLOCK_K="
             f"{tiles['BLOCK_K']} (L={spec.L})"
         )
+    # an FP8 group wider than the V tile: its GROUP / BLOCK_V tiles meet in the workspace
+    vsub = group // tiles["BLOCK_V"] if group and tiles["BLOCK_V"] < group else 1
     pdl = choose_pdl(info)
     interp = backend == "interpreter"
     out_code = fp8_code(args.out.dtype) if spec.fp8_out else 0
@@ -97,6 +100,7 @@ def plan(
         FIX_BF16=interp,
         USE_PDL=pdl,
         SPLIT=split,
+        VSUB=vsub,
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
@@ -111,6 +115,7 @@ def plan(
         cfg=tiles,
         n_items=n_items,
         split=split,
+        vsub=vsub,
         constexprs=constexprs,
     )
 
@@ -157,7 +162,7 @@ def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
     x, o = args.attn_out, args.out
     so = args.scale_out
     p_os, s_os = (so, tuple(so.stride())) if so is not None else (o, (0, 0))
-    if pl.split > 1:  # the partial sums' workspace and the items' arrival counters
+    if pl.split * pl.vsub > 1:  # the partial products' workspace and the arrival counters
         wk = torch.empty(pl.split, args.N, o.shape[1], dtype=torch.float32, device=o.device)
         cnt = split_counters(o.device, pl.n_items)
         p_wk, s_wk = wk, (wk.stride(0), wk.stride(1))
