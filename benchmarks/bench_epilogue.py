@@ -21,6 +21,8 @@ mean nothing).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -401,8 +403,12 @@ def main(argv=None) -> int:
         help="the sweep's output/W_UV kinds (default: all)",
     )
     ap.add_argument("--sweep-grid", choices=sorted(GRIDS), default="full")
+    ap.add_argument("--out-dir", default=None, help="write D/epilogue.json (unless --out)")
     ap.add_argument("--no-rows", action="store_true")
     a = ap.parse_args(argv)
+    if a.out is None and a.out_dir is not None:
+        Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+        a.out = str(Path(a.out_dir) / "epilogue.json")
     if a.smoke:
         ensure_interpreter()
     a.heads = a.heads or ([2] if a.smoke else HEADS)

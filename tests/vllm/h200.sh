@@ -65,14 +65,15 @@ case ${1:-} in
     rm -f /tmp/depth_out/done_$name
     # jobs run one after the other, separated by a lone "+": "pair ARGS" or "latency ARGS"
     # (vllm_depth.py's subcommands; one that starts with an option is a pair), or
-    # "benchmarks/SCRIPT.py ARGS" (given --out-dir /tmp/depth_out/NAME_N)
+    # "benchmarks/SCRIPT.py ARGS" or "-m MODULE ARGS" (given --out-dir /tmp/depth_out/NAME_N)
     job=/tmp/depth_out/job_$name.sh
     echo "cd /tmp/depth_src" > $job
     line="" n=0
     for a in "${@:3}" +; do
       if [[ $a == + ]]; then
-        [[ $line == " -"* || -z $line ]] && line=" pair$line"
-        if [[ $line == " benchmarks/"*.py* ]]; then  # another script: its own output folder
+        [[ ($line == " -"* && $line != " -m "*) || -z $line ]] && line=" pair$line"
+        if [[ $line == " benchmarks/"*.py* || $line == " -m "* ]]; then
+          # another script, or a module (-m benchmarks.bench_epilogue ...): its own output folder
           echo "bash $VG/gpu_env.sh run -- python3$line --out-dir /tmp/depth_out/${name}_$n" >> $job
         else
           echo "bash $VG/gpu_env.sh run -- python3 benchmarks/vllm_depth.py$line --out-dir /tmp/depth_out --tag ${name}_$n --cache-root /tmp/depth_cache" >> $job
