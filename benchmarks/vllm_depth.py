@@ -659,6 +659,9 @@ VARIANT_PARTS = {
     "fp8": {"FUSEMLA_VLLM_W_UK": "fp8"},
     "fp8xfp8": {"FUSEMLA_VLLM_W_UK": "fp8xfp8"},
     "stored": {"FUSEMLA_VLLM_W_UK": "stored"},
+    # fused on FLASHMLA under full graphs too (vLLM's pick for FP8 caches on Hopper), which the
+    # plugin otherwise leaves to vLLM there: what the fused path would save, once shown right
+    "flashmla": {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"},
 }
 
 

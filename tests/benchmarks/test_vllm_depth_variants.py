@@ -19,6 +19,7 @@ from benchmarks.vllm_depth import compare, engine_env, variant_env
             {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_EPILOGUE": "1", "FUSEMLA_VLLM_W_UK": "stored"},
         ),
         ("fp8", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_W_UK": "fp8"}),
+        ("on-flashmla", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}),
     ],
 )
 def test_variant_env(variant, env):
