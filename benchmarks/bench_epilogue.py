@@ -309,8 +309,10 @@ GRIDS = {
         nwns=((4, 3), (8, 3), (4, 2), (8, 4), (8, 5), (16, 3)),
         sp=(1, 2, 4, 8),
     ),
+    # BLOCK_V 16: 8 programs per head and group, 128 at 16 heads (the prologue's count there,
+    # whose 2 MiB of W_UK stream in ~2.9 us per layer in vLLM at full depth)
     "split": dict(
-        bt=(16,), bv=(32, 64, 128), bk=(128,), nwns=((4, 3), (8, 3), (8, 5)), sp=(1, 2, 4)
+        bt=(16,), bv=(16, 32, 64, 128), bk=(128,), nwns=((4, 3), (8, 3), (8, 5)), sp=(1, 2, 4)
     ),
 }
 
