@@ -911,11 +911,21 @@ def compare(runs: list) -> str:
         for c in r["cells"]:
             cells.setdefault(key(r, c), {}).setdefault(r["variant"], []).append(c)
     lines = [
-        "| shard | B | ctx | kv | sampling | variant | same tokens | TPOT by difference | "
-        "core decode step | GPU span per step | GPU busy per step | KV-cache tokens | "
-        "peak activation GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shard | B | ctx | kv | sampling | variant | backend, layers fused | same tokens | "
+        "TPOT by difference | core decode step | GPU span per step | GPU busy per step | "
+        "KV-cache tokens | peak activation GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    eng = {id(c): r for r in runs for c in r["cells"]}
+
+    def fused(r: dict) -> str:
+        """The decode backend vLLM ran and how many MLA layers the plugin fused (of all):
+        "FLASHMLA, 0/61" is a fallback, no gain to claim."""
+        backend = r.get("engine", {}).get("attention", {}).get("backend", "?")
+        st = r.get("plugin_after_start") or {}
+        n_f, n_v = st.get("layers_fused", 0), st.get("layers_vllm", 0)
+        return f"{backend}, {n_f}/{n_f + n_v}" if n_f + n_v else f"{backend}, -"
+
     mem = {id(c): r.get("memory") or {} for r in runs for c in r["cells"]}
 
     def pct(on, off):
@@ -937,7 +947,8 @@ def compare(runs: list) -> str:
             total = sum(len(a) for a in off["token_hashes"])
             po, pn = off.get("profile") or {}, on.get("profile") or {}
             lines.append(
-                f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {variant} | {same}/{total} | "
+                f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {variant} | "
+                f"{fused(eng[id(on)])} | {same}/{total} | "
                 f"{off['median_ms']:.3f} -> {on['median_ms']:.3f} "
                 f"({pct(on['median_ms'], off['median_ms'])}) | "
                 f"{_ms(off.get('core_step_median_ms'))} -> "
