@@ -385,7 +385,7 @@ def run(args) -> None:
     wrappers = llm.collective_rpc("fusemla_setup", args=(args.inject, args.capture))
     backends = llm.collective_rpc("fusemla_backend")
     engine = llm.llm_engine
-    rnd = random.Random(1234)
+    rnd = random.Random(args.prompt_seed)
     prompts = {rid: [rnd.randrange(1, 1000) for _ in range(n)] for rid, _, n, _ in schedule}
     tokens: dict[str, list[int]] = {}
     margins: dict[str, list[float]] = {}
@@ -479,6 +479,7 @@ def main() -> None:
     )
     r.add_argument("--schedule", default="small", help=f"{sorted(SCHEDULES)} or seeded")
     r.add_argument("--seed", type=int, default=0, help="for --schedule seeded")
+    r.add_argument("--prompt-seed", type=int, default=1234, help="the prompts' random tokens")
     r.add_argument("--kv-cache-dtype", default="auto")
     r.add_argument("--backend", default=None, help="vLLM attention backend (e.g. CPU_MLA)")
     r.add_argument("--inject", default="none")

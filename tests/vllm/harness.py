@@ -68,6 +68,7 @@ class Spec:
     profile: bool = False
     interpret: bool | None = None  # TRITON_INTERPRET (default: = plugin, on the CPU)
     seed: int = 0
+    prompt_seed: int = 1234  # the prompts' random tokens
     max_model_len: int = 1024
     env: dict = field(default_factory=dict)
     emulate_fp8: bool = False  # CPU: block-FP8 linears through fp8_emulation.py
@@ -172,6 +173,8 @@ class Runner:
             s.schedule,
             "--seed",
             str(s.seed),
+            "--prompt-seed",
+            str(s.prompt_seed),
             "--kv-cache-dtype",
             s.kv_cache_dtype,
             "--inject",

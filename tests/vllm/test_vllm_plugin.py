@@ -300,13 +300,23 @@ def test_plugin_on_matches_vllm_compiled(runner):
 # --------------------------------------------------------------------- wider model shapes
 
 
+#: the wide schedule's prompts: the first, and the second when a near tie flipped a greedy
+#: token before step 8 of the first (bf16 noise, judged so by token_problems; where it flips
+#: depends on the CPU's kernels), which leaves too few steps compared
+WIDE_PROMPT_SEEDS = (1234, 4321)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shape_plugin_on_matches_off(runner, shape):
-    off = runner.run(wide(shape, "off", False, interpret=False))
-    on = runner.run(wide(shape, "on", True))
-    assert problems(on, off) == []
-    check_fused_everywhere(on, off)
-    d = deviation(on, off)
+    for i, prompt_seed in enumerate(WIDE_PROMPT_SEEDS):
+        tag = "" if i == 0 else f"-prompts{prompt_seed}"
+        off = runner.run(wide(shape, f"off{tag}", False, interpret=False, prompt_seed=prompt_seed))
+        on = runner.run(wide(shape, f"on{tag}", True, prompt_seed=prompt_seed))
+        assert problems(on, off) == [], prompt_seed  # every sample within bf16 noise
+        check_fused_everywhere(on, off)
+        d = deviation(on, off)
+        if d["steps_compared"] >= 8:
+            break
     assert d["steps_compared"] >= 8 and d["layers"] == n_layers(on) >= 3, d
     # every prompt length arrived: 1-token and 300-token prompts among them
     lengths = [n for _, _, n, _ in on["schedule"]]
