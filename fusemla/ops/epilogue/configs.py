@@ -2,11 +2,12 @@
 
 ``SPLIT`` (default 1) cuts each item's latent into that many programs whose partial sums meet
 in a workspace (the last to arrive adds them in order: deterministic), and for an FP8 output a
-``BLOCK_V`` below the group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same
-way; the tables pick neither yet (benchmarks sweep them with ``cfg``). Keyed on the output kind (bf16 / FP8 with its group), the
-weight's block rows and one of three batch buckets, never on the token count, so a serving loop compiles at most three variants per
-format. Under the Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide
-V tiles, 32-row latent chunks), so CPU tests run several V tiles, token tiles and chunks.
+``BLOCK_V`` below the group cuts each group among ``GROUP / BLOCK_V`` programs that meet the
+same way; the tables pick neither yet (benchmarks sweep them with ``cfg``). Keyed on the output
+kind (bf16 / FP8 with its group), the weight's block rows and one of three batch buckets, never
+on the token count, so a serving loop compiles at most three variants per format. Under the
+Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide V tiles, 32-row
+latent chunks), so CPU tests run several V tiles, token tiles and chunks.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def tiles(
     return bucket, cfg
 
 
-def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:  # noqa: ARG001
+def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
     """Raise ValueError for tiles the kernel cannot run: every tile a power of two >= 16 (so
     a V tile holds whole FP8 groups, or is a whole fraction of one: its GROUP / BLOCK_V tiles
     then meet in a workspace, as SPLIT's do), a latent chunk inside one block of scale rows."""
