@@ -443,14 +443,14 @@ class _LayerState:
         CUDA graph size."""
         if self._epi_range is None:
             from fusemla.ops.common import backend_of
-            from fusemla.ops.epilogue.configs import describe_range, fuse_token_range
+            from fusemla.ops.epilogue.configs import ALL_TOKENS, describe_range, fuse_token_range
 
             try:
                 backend = backend_of(q.device)
             except ValueError:  # CPU tensors without the interpreter: the PyTorch reference
                 backend = "interpreter"
             if self._epi_all:
-                self._epi_range = (1, 1 << 62)
+                self._epi_range = ALL_TOKENS
             else:
                 self._epi_range = fuse_token_range(q.shape[1], self.o_fp8 is not None, backend)
             _log_once(

@@ -688,6 +688,17 @@ def test_forced_tiles_match_reference(device):
     _check(x, w, fused_act, fusemla.mla_epilogue_ref(x, w))
 
 
+def _split_test_w(weights: str, H: int, L: int, V: int, g, device: str):
+    """W_UV for the split tests: "plain" bf16, "head" FP8 per head, "block" a block-FP8
+    kv_b_proj's W_UV as stored (32 x 32 blocks on the CPU, DeepSeek's 128 x 128 on GPU)."""
+    if weights == "plain":
+        return _plain_w(H, L, V, g, BF16, device)
+    if weights == "head":
+        return quantize_fp8_weight(_plain_w(H, L, V, g, torch.float32, device), per_head=True)
+    blk = (32, 32) if device == "cpu" else (128, 128)
+    return _kv_b_proj_w_uv(H, blk[0], L, V, blk, g, device)
+
+
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("weights", ["plain", "head", "block"])
 def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights, split):
@@ -698,13 +709,7 @@ def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights,
     g = _gen("split", weights, split)
     H, L, V = d["H"], d["L"], d["V"]
     x = _act(21, H, L, g, BF16, device)
-    if weights == "plain":
-        w = _plain_w(H, L, V, g, BF16, device)
-    elif weights == "head":
-        w = quantize_fp8_weight(_plain_w(H, L, V, g, torch.float32, device), per_head=True)
-    else:
-        blk = (32, 32) if device == "cpu" else (128, 128)
-        w = _kv_b_proj_w_uv(H, blk[0], L, V, blk, g, device)
+    w = _split_test_w(weights, H, L, V, g, device)
     bk = 16 if device == "cpu" else 64  # several chunks per split
     for kw, group in ((dict(out_dtype=FP8, group_size=32), 32), ({}, 128)):
         ref = fusemla.mla_epilogue_ref(x, w, **kw)
@@ -768,13 +773,7 @@ def test_group_wider_than_the_v_tile_meets_in_the_workspace(device, weights, spl
     H, L, V = d["H"], d["L"], d["V"]
     N = 21 if device == "cpu" else 37
     x = _act(N, H, L, g, BF16, device)
-    if weights == "plain":
-        w = _plain_w(H, L, V, g, BF16, device)
-    elif weights == "head":
-        w = quantize_fp8_weight(_plain_w(H, L, V, g, torch.float32, device), per_head=True)
-    else:
-        blk = (32, 32) if device == "cpu" else (128, 128)
-        w = _kv_b_proj_w_uv(H, blk[0], L, V, blk, g, device)
+    w = _split_test_w(weights, H, L, V, g, device)
     bk = 16 if device == "cpu" else 64
     cases = [(V, V // 4), (V // 2, 16)] if device == "cpu" else [(128, 32), (128, 64)]
     for group, bv in cases:

@@ -60,6 +60,8 @@ _FUSE_TOKENS = {
     (False, 128): (1, 0),
 }
 _overrides: dict = {}
+#: the token range of every decode step (the interpreter's, FUSEMLA_VLLM_EPILOGUE_TOKENS=all)
+ALL_TOKENS = (1, 1 << 62)
 
 
 def fuse_token_range(H: int, fp8_out: bool, backend: str) -> tuple[int, int]:
@@ -68,7 +70,7 @@ def fuse_token_range(H: int, fp8_out: bool, backend: str) -> tuple[int, int]:
     ``fp8_out``) at ``H`` heads on ``backend`` (:data:`_FUSE_TOKENS`, measured on CUDA; ROCm
     takes CUDA's until measured; the interpreter always fuses: tests). Empty when ``lo > hi``."""
     if backend == "interpreter":
-        return 1, 1 << 62
+        return ALL_TOKENS
     heads = sorted(h for f, h in _FUSE_TOKENS if f == fp8_out)
     h = next((x for x in heads if H <= x), heads[-1])
     return _FUSE_TOKENS[(fp8_out, h)]
@@ -76,7 +78,7 @@ def fuse_token_range(H: int, fp8_out: bool, backend: str) -> tuple[int, int]:
 
 def describe_range(lo: int, hi: int) -> str:
     """``"32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
-    return "none" if lo > hi else "all" if hi >= 1 << 40 and lo <= 1 else f"{lo}-{hi}"
+    return "none" if lo > hi else "all" if (lo, hi) == ALL_TOKENS else f"{lo}-{hi}"
 
 
 def batch_bucket(N: int) -> str:

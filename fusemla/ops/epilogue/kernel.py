@@ -220,60 +220,39 @@ def mla_epilogue_kernel(
             acc = tl.dot(b_x, b_w, acc=acc)
     o_c = i_h * V + o_v  # the output's columns (h * V + v)
     m_o = m_t[:, None] & m_v[None, :]
+    # the finishing tile: VSUB V tiles of one head (this program's own tile when VSUB is 1)
+    BLOCK_F: tl.constexpr = BLOCK_V * VSUB
+    i_f = i_v // VSUB
+    o_vf = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    o_cf = i_h * V + o_vf
+    m_of = m_t[:, None] & (o_vf < V)[None, :]
+    last = True  # this program finishes the tile (the only one, or the last to arrive)
+    fin = acc  # the tile's whole fp32 product
     if SPLIT * VSUB > 1:
-        # the finishing tile's SPLIT x VSUB partial products meet in the workspace; the last
-        # to arrive adds each column's SPLIT parts in split order (the same sum whichever
-        # program is last: deterministic) and finishes the whole tile (VSUB V tiles wide)
-        BLOCK_F: tl.constexpr = BLOCK_V * VSUB
-        i_f = i_v // VSUB
-        tile = i_t + n_t * (i_f + (NV // VSUB) * i_h)  # the finishing tile's counter
+        # the tile's SPLIT x VSUB partial products meet in the workspace; the last to arrive
+        # adds each column's SPLIT parts in split order (the same sum whichever program is
+        # last: deterministic) and finishes the whole tile
+        tile = i_t + n_t * (i_f + (NV // VSUB) * i_h)  # the tile's arrival counter
         tl.store(p_wk + o_t64[:, None] * s_wk_t + o_c[None, :] + i_s * s_wk_s, acc, mask=m_o)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        if tl.atomic_add(p_cnt + tile, 1, sem="acq_rel") == SPLIT * VSUB - 1:
+        last = tl.atomic_add(p_cnt + tile, 1, sem="acq_rel") == SPLIT * VSUB - 1
+        fin = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
+        if last:
             # no other program touches this counter again in this launch: back to 0 for the
             # next launch that shares the buffer (the launcher zeroes it only when it makes it)
             tl.atomic_xchg(p_cnt + tile, 0, sem="relaxed")
-            o_vf = i_f * BLOCK_F + tl.arange(0, BLOCK_F)
-            o_cf = i_h * V + o_vf
-            m_of = m_t[:, None] & (o_vf < V)[None, :]
             p_part = p_wk + o_t64[:, None] * s_wk_t + o_cf[None, :]
-            acc_f = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
             for j in tl.static_range(SPLIT):
-                acc_f += tl.load(p_part + j * s_wk_s, mask=m_of, other=0.0, cache_modifier=".cg")
-            _finish(
-                acc_f,
-                i_h,
-                i_f,
-                o_t64,
-                m_t,
-                o_cf,
-                m_of,
-                p_wsh,
-                p_o,
-                s_o_t,
-                p_os,
-                s_os_t,
-                s_os_g,
-                V,
-                BLOCK_T,
-                BLOCK_F,
-                W_FMT,
-                OUT_FP8,
-                FMAX,
-                GROUP,
-                UE8M0,
-                EPS,
-                FIX_BF16,
-            )
-    else:
+                fin += tl.load(p_part + j * s_wk_s, mask=m_of, other=0.0, cache_modifier=".cg")
+    if last:
         _finish(
-            acc,
+            fin,
             i_h,
-            i_v,
+            i_f,
             o_t64,
             m_t,
-            o_c,
-            m_o,
+            o_cf,
+            m_of,
             p_wsh,
             p_o,
             s_o_t,
@@ -282,7 +261,7 @@ def mla_epilogue_kernel(
             s_os_g,
             V,
             BLOCK_T,
-            BLOCK_V,
+            BLOCK_F,
             W_FMT,
             OUT_FP8,
             FMAX,
