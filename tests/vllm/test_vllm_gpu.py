@@ -61,6 +61,9 @@ OTHER_BACKENDS = ("TRITON_MLA",)
 # Hopper, FLASHMLA, is left to vLLM by the plugin under full CUDA graphs
 # (fusemla.integrations.vllm.UNVERIFIED_FULL_GRAPH_BACKENDS)
 FP8_BACKEND = "TRITON_MLA"
+# vLLM's own choice for an FP8 cache on Hopper, and the plugin forced onto it
+FLASHMLA_FP8 = dict(kv_cache_dtype="fp8", backend="FLASHMLA")
+FORCE = {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}
 # FUSEMLA_VLLM_W_UK: FP8 W_UK_T (bf16 activations) and FP8 x FP8, against the bf16 runs
 WUK_MODELS = ("v3-h16", "v3-h128")
 WUK_MODES = ("fp8", "fp8xfp8")
@@ -157,6 +160,16 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
             _spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
             _spec(HALF_MODEL, f"fp8-on-{mode}", True, mode, kv_cache_dtype="fp8"),
         ]
+        # ... and the plugin forced onto it (eager and full graphs) against vLLM's own FLASHMLA
+        # FP8 path and its FP8 noise floor: the runs that decide the fallback
+        for mode in ("eager", "full_and_piecewise"):
+            specs += [
+                _spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8),
+                _spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8),
+            ]
+        specs.append(
+            _spec(HALF_MODEL, "fp8f-noise-eager", False, inject=f"noise:{NOISE}", **FLASHMLA_FP8)
+        )
     if want("epi"):  # FUSEMLA_VLLM_EPILOGUE=1 against vLLM's bf16 path
         for m in EPI_MODELS:
             for mode in ("eager", "full_and_piecewise"):
@@ -197,12 +210,11 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 _spec(HALF_MODEL, f"{b}-off", False, mode, backend=b),
                 _spec(HALF_MODEL, f"{b}-on", True, mode, backend=b),
             ]
-        force = {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}
         specs += [
             _spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
             _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
             _spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"),
-            _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA", env=force),
+            _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA", env=FORCE),
         ]
     if tp2 and want("tp2"):
         for mode in ("eager", "full_and_piecewise"):
@@ -459,6 +471,35 @@ def test_fp8_cache_on_flashmla_falls_back(gpu_runs):
     d = _falls_back(on, off, "the FLASHMLA decode backend", exact=False)
     _record(report, f"{HALF_MODEL}/fp8/FLASHMLA/{mode}/fallback", d, _floor(runner, HALF_MODEL))
     assert on["tokens"] == off["tokens"]
+
+
+@pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_fp8_cache_on_flashmla_forced_fused(gpu_runs, mode):
+    """The plugin forced onto FLASHMLA (``FUSEMLA_VLLM_FORCE_BACKENDS``) with an FP8 cache:
+    fused in every layer, and within the FP8 noise floor of vLLM's own FLASHMLA path (its
+    values perturbed by a bf16 ulp before the FP8 quantization), eagerly and under full graphs.
+    The run that decides whether FLASHMLA leaves UNVERIFIED_FULL_GRAPH_BACKENDS on vLLM 0.33
+    (d1a0cb0's probe, benchmarks/flashmla_graphs.py --fused: as far from vLLM under full graphs
+    as in eager mode)."""
+    _need("fp8")
+    runner, report = gpu_runs
+    off = runner.run(_spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8))
+    on = runner.run(_spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8))
+    floor = deviation(
+        runner.run(
+            _spec(HALF_MODEL, "fp8f-noise-eager", False, inject=f"noise:{NOISE}", **FLASHMLA_FP8)
+        ),
+        runner.run(_spec(HALF_MODEL, "fp8f-off-eager", False, **FLASHMLA_FP8)),
+    )
+    dev = deviation(on, off)
+    _record(report, f"{HALF_MODEL}/fp8/FLASHMLA/{mode}/forced", dev, floor, {"stats": stats(on)})
+    assert on["backends"][0]["backend"] == "FLASHMLA"
+    assert on["backends"][0]["kv_cache_dtype"].startswith("fp8")
+    assert stats(on)["layers_fused"] == on["backends"][0]["layers"]
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == [], (dev, floor)
+    check_fused(on, off)
 
 
 @pytest.mark.parametrize("model", WUK_MODELS)
