@@ -280,11 +280,13 @@ def gpu_runs(tmp_path_factory, device):
         Path(path).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
 
 
-def _floor(runner, model: str, fp8: bool = False) -> dict:
-    pre = "fp8-" if fp8 else ""
+def _floor(runner, model: str, prefix: str = "", **kw) -> dict:
+    """The noise floor of ``model``: vLLM's own eager run with its values perturbed by a bf16
+    ulp against the same run unperturbed; ``prefix`` and ``kw`` name and configure another
+    pair of those runs (e.g. an FP8 cache on a given backend)."""
     return deviation(
-        runner.run(_spec(model, f"{pre}noise-eager", False)),
-        runner.run(_spec(model, f"{pre}off-eager", False)),
+        runner.run(_spec(model, f"{prefix}noise-eager", False, inject=f"noise:{NOISE}", **kw)),
+        runner.run(_spec(model, f"{prefix}off-eager", False, **kw)),
     )
 
 
@@ -399,10 +401,7 @@ def test_fp8_cache(gpu_runs, model, mode):
     fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
     off = runner.run(_spec(model, f"fp8t-off-{mode}", False, mode, **fp8))
     on = runner.run(_spec(model, f"fp8t-on-{mode}", True, mode, **fp8))
-    floor = deviation(
-        runner.run(_spec(model, "fp8t-noise-eager", False, **fp8)),
-        runner.run(_spec(model, "fp8t-off-eager", False, **fp8)),
-    )
+    floor = _floor(runner, model, "fp8t-", **fp8)
     dev = deviation(on, off)
     _record(
         report,
@@ -486,12 +485,7 @@ def test_fp8_cache_on_flashmla_forced_fused(gpu_runs, mode):
     runner, report = gpu_runs
     off = runner.run(_spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8))
     on = runner.run(_spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8))
-    floor = deviation(
-        runner.run(
-            _spec(HALF_MODEL, "fp8f-noise-eager", False, inject=f"noise:{NOISE}", **FLASHMLA_FP8)
-        ),
-        runner.run(_spec(HALF_MODEL, "fp8f-off-eager", False, **FLASHMLA_FP8)),
-    )
+    floor = _floor(runner, HALF_MODEL, "fp8f-", **FLASHMLA_FP8)
     dev = deviation(on, off)
     _record(report, f"{HALF_MODEL}/fp8/FLASHMLA/{mode}/forced", dev, floor, {"stats": stats(on)})
     assert on["backends"][0]["backend"] == "FLASHMLA"
