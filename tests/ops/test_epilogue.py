@@ -1319,3 +1319,26 @@ def test_fuse_token_range_follows_the_measured_crossovers():
     assert configs.describe_range(32, 64) == "32-64"
     assert configs.describe_range(1, 0) == "none"
     assert configs.describe_range(*f(16, True, "interpreter")) == "all"
+
+
+def test_table_split_follows_the_sweep():
+    """The GPU tables cut the latent in 4 only where the d1a0cb0 sweep measured it faster: an
+    FP8 output of few items (16 heads: B = 1 for bf16 W_UV, B <= 32 for 1-byte W_UV); never
+    for a bf16 output, 128 heads or the interpreter; never a SPLIT that leaves chunks over."""
+
+    def split(N, H=16, w_bytes=2, group=128, backend="cuda", L=512, block_k=None):
+        return configs.tiles(
+            L, 128, N, backend, group=group, block_k=block_k, w_bytes=w_bytes, H=H
+        )[1]["SPLIT"]
+
+    assert split(1) == 4 and split(16) == 4
+    assert split(32) == 1  # bf16 W_UV at 32 items: one program per item measured faster
+    assert split(1, w_bytes=1, block_k=128) == 4 and split(32, w_bytes=1, block_k=128) == 4
+    assert split(33, w_bytes=1, block_k=128) == 1  # 3 token tiles x 16 heads
+    assert split(1, group=None) == 1  # bf16 output: not swept
+    assert split(1, H=128) == split(1, H=128, w_bytes=1) == 1
+    assert split(1, backend="interpreter") == 1
+    assert split(1, backend="rocm") == 4  # CUDA's until measured
+    assert split(1, L=256) == 2  # two 128-row chunks: the largest power of two dividing them
+    with configs.override(SPLIT=1):
+        assert split(1) == 1  # a sweep's explicit tiles win

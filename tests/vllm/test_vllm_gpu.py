@@ -125,7 +125,7 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
-    epi, epi8, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
+    flashmla, epi, epi8, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
 
     def want(g):
         return groups is None or g in groups
@@ -154,7 +154,8 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 ]
             specs.append(_spec(m, "fp8t-noise-eager", False, inject=f"noise:{NOISE}", **fp8))
         specs.append(_spec(HALF_MODEL, "fp8t-bug-eager", True, inject="rope_off_by_one", **fp8))
-        # vLLM's own choice for FP8 on Hopper (FLASHMLA): the plugin falls back
+    if want("flashmla") and not DRYRUN:  # GPU backends
+        # vLLM's own choice for FP8 on Hopper (FLASHMLA) in its default mode: the plugin falls back
         mode = "full_and_piecewise"
         specs += [
             _spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"),
@@ -170,6 +171,16 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
         specs.append(
             _spec(HALF_MODEL, "fp8f-noise-eager", False, inject=f"noise:{NOISE}", **FLASHMLA_FP8)
         )
+        # FLASHMLA with a bf16 cache: eager (fused, bit for bit), full graphs (left to vLLM),
+        # forced fused under full graphs, and vLLM's own eager path twice (its determinism)
+        specs += [
+            _spec(HALF_MODEL, "FLASHMLA-off", False, mode, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-on", True, mode, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"),
+            _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA", env=FORCE),
+        ]
     if want("epi"):  # FUSEMLA_VLLM_EPILOGUE=1 against vLLM's bf16 path
         for m in EPI_MODELS:
             for mode in ("eager", "full_and_piecewise"):
@@ -210,12 +221,6 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 _spec(HALF_MODEL, f"{b}-off", False, mode, backend=b),
                 _spec(HALF_MODEL, f"{b}-on", True, mode, backend=b),
             ]
-        specs += [
-            _spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"),
-            _spec(HALF_MODEL, "FLASHMLA-off2-eager", False, backend="FLASHMLA"),
-            _spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"),
-            _spec(HALF_MODEL, "FLASHMLA-forced-full", True, mode, backend="FLASHMLA", env=FORCE),
-        ]
     if tp2 and want("tp2"):
         for mode in ("eager", "full_and_piecewise"):
             specs += [
@@ -461,7 +466,7 @@ def test_fp8_cache_on_flashmla_falls_back(gpu_runs):
     Its numbers are reported, not compared bit for bit: at dfbba2c (vLLM 0.32 and 0.33) two
     runs of vLLM's own FLASHMLA FP8 full-graph path, one of them with the plugin installed and
     falling back (no fusemla kernel ran), gave the same greedy tokens but logprobs 0.78 apart."""
-    _need("fp8")
+    _need("flashmla")
     runner, report = gpu_runs
     mode = "full_and_piecewise"
     off = runner.run(_spec(HALF_MODEL, f"fp8-off-{mode}", False, mode, kv_cache_dtype="fp8"))
@@ -481,7 +486,7 @@ def test_fp8_cache_on_flashmla_forced_fused(gpu_runs, mode):
     The run that decides whether FLASHMLA leaves UNVERIFIED_FULL_GRAPH_BACKENDS on vLLM 0.33
     (d1a0cb0's probe, benchmarks/flashmla_graphs.py --fused: as far from vLLM under full graphs
     as in eager mode)."""
-    _need("fp8")
+    _need("flashmla")
     runner, report = gpu_runs
     off = runner.run(_spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8))
     on = runner.run(_spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8))
@@ -639,7 +644,7 @@ def test_other_decode_backend(gpu_runs, backend):
 @pytest.mark.skipif(DRYRUN, reason="FLASHMLA is a GPU backend")
 def test_flashmla_eager_fused_bit_exact(gpu_runs):
     """FLASHMLA (bf16 cache) without CUDA graphs: fused, and bit-identical to vLLM's own path."""
-    _need("backends")
+    _need("flashmla")
     runner, report = gpu_runs
     off = runner.run(_spec(HALF_MODEL, "FLASHMLA-off-eager", False, backend="FLASHMLA"))
     on = runner.run(_spec(HALF_MODEL, "FLASHMLA-on-eager", True, backend="FLASHMLA"))
@@ -657,14 +662,14 @@ def test_flashmla_full_graphs_fall_back_and_why(gpu_runs):
     own run-to-run noise: its FLASHMLA full-graph path is not bit-reproducible). Why: forced
     fused there (FUSEMLA_VLLM_FORCE_BACKENDS=FLASHMLA) it leaves the noise floor, while vLLM's
     own FLASHMLA path is bit-reproducible in eager mode, where the fused path matches it."""
-    _need("backends")
+    _need("flashmla")
     runner, report = gpu_runs
     mode = "full_and_piecewise"
     floor = _floor(runner, HALF_MODEL)
     off = runner.run(_spec(HALF_MODEL, "FLASHMLA-off", False, mode, backend="FLASHMLA"))
     on = runner.run(_spec(HALF_MODEL, "FLASHMLA-on", True, mode, backend="FLASHMLA"))
     _record(report, f"{HALF_MODEL}/FLASHMLA/{mode}/fallback", deviation(on, off), floor)
-    specs = {s.name: s for s in all_specs(tp2=False, groups={"backends"})}
+    specs = {s.name: s for s in all_specs(tp2=False, groups={"flashmla"})}
     forced = runner.run(specs[f"{HALF_MODEL}-FLASHMLA-forced-full"])
     bad = deviation(forced, off)
     _record(

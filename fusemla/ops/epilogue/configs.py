@@ -1,9 +1,11 @@
 """Tiles of the epilogue kernel: per backend and batch bucket, the one place that picks them.
 
 ``SPLIT`` (default 1) cuts each item's latent into that many programs whose partial sums meet
-in a workspace (the last to arrive adds them in order: deterministic), and for an FP8 output a
-``BLOCK_V`` below the group cuts each group among ``GROUP / BLOCK_V`` programs that meet the
-same way; the tables pick neither yet (benchmarks sweep them with ``cfg``). Keyed on the output
+in a workspace (the last to arrive adds them in order: deterministic); the table picks it for
+FP8 outputs of few items (:data:`_FP8_OUT_SPLIT`). For an FP8 output a ``BLOCK_V`` below the
+group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; no table
+picks that (the d1a0cb0 sweep: never faster than SPLIT alone); benchmarks sweep both with
+``cfg``. Keyed on the output
 kind (bf16 / FP8 with its group), the weight's block rows and one of three batch buckets, never
 on the token count, so a serving loop compiles at most three variants per format. Under the
 Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide V tiles, 32-row
@@ -31,12 +33,25 @@ _GPU_TILES = {
     "medium": (32, 128, 64, 4, 3),
     "large": (64, 128, 64, 8, 3),
 }
-#: the same for an FP8 output, whose V tile holds a whole group (BLOCK_V widened to it)
+#: the same for an FP8 output, whose V tile holds a whole group (BLOCK_V widened to it);
+#: medium with 5 stages from the d1a0cb0 sweep (16 heads, B = 32, bf16 W_UV: 5.22 against
+#: 5.63 us with 3; block-FP8 W_UV: 5.36 against 5.37)
 _GPU_TILES_FP8 = {
     "small": (16, 128, 128, 8, 3),
-    "medium": (16, 128, 128, 8, 3),
+    "medium": (16, 128, 128, 8, 5),
     "large": (64, 128, 128, 8, 3),
 }
+#: SPLIT for an FP8 output on a GPU, by the weight's bytes per element: ``(most items, SPLIT)``,
+#: a launch of at most that many (token tile, V tile, head) items cuts each item's latent in
+#: SPLIT programs (fewer where the latent has fewer chunks). From the H200 sweep at d1a0cb0
+#: (benchmarks/results/h200_epilogue_split_d1a0cb0.json: 16 heads, FP8 out, 90 layers' weights
+#: streamed from HBM), us per launch, SPLIT 1 -> 4:
+#:
+#: - bf16 W_UV, 16 items (B = 1): 5.75 -> 5.11; 32 items (B = 32): 5.22 -> 5.70 (not split)
+#: - block-FP8 W_UV, 16 items: 6.58 -> 5.08; 32 items: 6.58 -> 5.36
+#:
+#: Launches of more items (128 heads, larger batches) were not swept: one program per item.
+_FP8_OUT_SPLIT = {1: (32, 4), 2: (16, 4)}
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
 #: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
@@ -109,6 +124,20 @@ def smem_bytes(cfg: dict, w_bytes: int, fp8_out: bool = False) -> int:
     return buffers + (bt * bv * 4 if fp8_out else 0)
 
 
+def split_of(items: int, n_chunks: int, w_bytes: int, fp8_out: bool, backend: str) -> int:
+    """The table's SPLIT for a launch of ``items`` items whose latent has ``n_chunks`` chunks
+    (:data:`_FP8_OUT_SPLIT`; 1 elsewhere and under the interpreter): the largest power of two
+    up to the table's that divides the chunks."""
+    if not fp8_out or backend == "interpreter" or w_bytes not in _FP8_OUT_SPLIT:
+        return 1
+    most, split = _FP8_OUT_SPLIT[w_bytes]
+    if items > most:
+        return 1
+    while n_chunks % split:
+        split //= 2
+    return split
+
+
 def tiles(
     L: int,
     V: int,
@@ -118,11 +147,13 @@ def tiles(
     group: int | None,
     block_k: int | None,
     w_bytes: int = 2,
+    H: int = 1,
 ) -> tuple[str, dict]:
-    """``(bucket, tiles)`` for ``N`` tokens: ``group`` the FP8 output's group (None: not FP8),
-    ``block_k`` the weight's block-scale rows along L (None: no block scales), ``w_bytes`` the
-    weight's bytes per element. A wide V tile (a large group) takes fewer tokens, then shorter
-    latent chunks, then fewer pipeline stages, until it fits the backend's shared memory."""
+    """``(bucket, tiles)`` for ``N`` tokens at ``H`` heads: ``group`` the FP8 output's group
+    (None: not FP8), ``block_k`` the weight's block-scale rows along L (None: no block scales),
+    ``w_bytes`` the weight's bytes per element. A wide V tile (a large group) takes fewer
+    tokens, then shorter latent chunks, then fewer pipeline stages, until it fits the
+    backend's shared memory; then :func:`split_of` picks SPLIT."""
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     bucket = batch_bucket(N)
@@ -147,6 +178,9 @@ def tiles(
             cfg["BLOCK_K"] //= 2
         else:
             break
+    items = triton.cdiv(N, cfg["BLOCK_T"]) * triton.cdiv(V, cfg["BLOCK_V"]) * H
+    n_chunks = triton.cdiv(L, cfg["BLOCK_K"])
+    cfg["SPLIT"] = split_of(items, n_chunks, w_bytes, group is not None, backend)
     cfg.update(_overrides)
     check(cfg, group=group, block_k=block_k)
     return bucket, cfg

@@ -65,7 +65,14 @@ def plan(
     group = spec.group_size if spec.fp8_out else None
     w_bytes = weight_parts(w)[0].element_size()
     bucket, tiles = configs.tiles(
-        spec.L, spec.V, args.N, backend, group=group, block_k=block[0] or None, w_bytes=w_bytes
+        spec.L,
+        spec.V,
+        args.N,
+        backend,
+        group=group,
+        block_k=block[0] or None,
+        w_bytes=w_bytes,
+        H=spec.H,
     )
     if cfg is not None:
         tiles = {**tiles, **cfg}
