@@ -660,8 +660,8 @@ VARIANT_PARTS = {
     "fp8": {"FUSEMLA_VLLM_W_UK": "fp8"},
     "fp8xfp8": {"FUSEMLA_VLLM_W_UK": "fp8xfp8"},
     "stored": {"FUSEMLA_VLLM_W_UK": "stored"},
-    # fused on FLASHMLA under full graphs too (vLLM's pick for FP8 caches on Hopper), which the
-    # plugin otherwise leaves to vLLM there: what the fused path would save, once shown right
+    # fused on FLASHMLA under full graphs whatever the cache (the plugin leaves a bf16 cache
+    # there to vLLM; vLLM 0.33's adapter fuses an FP8 cache by default since de9c208)
     "flashmla": {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"},
 }
 

@@ -42,6 +42,10 @@ class VllmAdapter:
     #: the vLLM minor version this adapter was written and tested against
     minor = "0.32"
 
+    #: (decode backend, cache kind "bf16" / "fp8") pairs that run fused under full CUDA graphs
+    #: although the plugin's unverified table lists the backend (verified on this version)
+    FULL_GRAPH_VERIFIED: frozenset[tuple[str, str]] = frozenset()
+
     #: every vLLM internal this adapter touches (for the docs and the closing notes)
     INTERNALS = (
         "vllm.__version__",
@@ -254,11 +258,17 @@ class VllmAdapter:
         if a.prefill_backend is None:
             return "no dense prefill backend"
         backend = a.attn_backend.get_name()
-        if backend in unverified_full_graph and backend not in forced and self.full_cudagraphs():
+        cache = "fp8" if a.kv_cache_dtype in _FP8_CACHE_DTYPES else "bf16"
+        if (
+            backend in unverified_full_graph
+            and (backend, cache) not in self.FULL_GRAPH_VERIFIED
+            and backend not in forced
+            and self.full_cudagraphs()
+        ):
             return (
-                f"the {backend} decode backend {unverified_full_graph[backend]}; it runs "
-                f"fused with enforce_eager=True (set {force_env}={backend} to run it fused "
-                f"anyway, for diagnosis)"
+                f"the {backend} decode backend with a {cache} cache "
+                f"{unverified_full_graph[backend]}; it runs fused with enforce_eager=True (set "
+                f"{force_env}={backend} to run it fused anyway, for diagnosis)"
             )
         uses_flat = getattr(a, "_uses_flat_kv_cache", None)
         if callable(uses_flat) and uses_flat():
@@ -466,10 +476,20 @@ class Vllm032(VllmAdapter):
     minor = "0.32"
 
 
+#: (decode backend, cache kind) pairs of the plugin's unverified full-graph table that vLLM
+#: 0.33's GPU suite judged right fused under full CUDA graphs: FLASHMLA with an FP8 cache,
+#: vLLM's own pick for FP8 caches on Hopper (tests/vllm/test_vllm_gpu.py, flashmla group, at
+#: de9c208 on the H200: within the FP8 noise floor of vLLM's own FLASHMLA path eagerly and
+#: under FULL_AND_PIECEWISE, as far from it under full graphs as eagerly). FLASHMLA with a
+#: bf16 cache stays left to vLLM there: the same run measured it 6x the bf16 floor.
+_VERIFIED_033 = frozenset({("FLASHMLA", "fp8")})
+
+
 class Vllm033(VllmAdapter):
     """vLLM 0.33.x: the cache write passes ``skip_scale`` (as 0.33's ``update_kv_cache`` does)."""
 
     minor = "0.33"
+    FULL_GRAPH_VERIFIED = _VERIFIED_033
     INTERNALS = VllmAdapter.INTERNALS + (
         "MLA impl: do_kv_cache_update(..., skip_scale) (new in 0.33); MLAAttention: "
         "_k_scale_float (read for skip_scale)",

@@ -634,3 +634,45 @@ def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
     want = [1, 2, 3, 4] if tokens_env == "all" else [2, 3]
     assert ran == want
     assert s["epilogue_tokens"] == sum(want) and s.get("epilogue_vllm_tokens", 0) == 10 - sum(want)
+
+
+def _flashmla_wrapper(kv_cache_dtype: str):
+    """The attributes structural_reason reads of a DeepSeek-V3 layer on FLASHMLA."""
+    backend = types.SimpleNamespace(get_name=lambda: "FLASHMLA")
+    attn = types.SimpleNamespace(
+        impl=types.SimpleNamespace(),
+        attn_backend=backend,
+        prefill_backend=object(),
+        kv_cache_dtype=kv_cache_dtype,
+        head_size=576,
+    )
+    return types.SimpleNamespace(
+        mla_attn=attn, rotary_emb=object(), kv_lora_rank=512, qk_rope_head_dim=64
+    )
+
+
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("cache", ["auto", "bfloat16", "fp8", "fp8_e4m3"])
+@pytest.mark.parametrize("cls", [ad.Vllm032, ad.Vllm033])
+def test_flashmla_under_full_graphs_per_version_and_cache(monkeypatch, cls, cache, full):
+    """FLASHMLA under full CUDA graphs is left to vLLM unless the version's adapter lists the
+    (backend, cache kind) pair verified: 0.33 fuses it with an FP8 cache (the GPU suite's
+    judge at de9c208), keeps vLLM's path with a bf16 cache; 0.32 keeps vLLM's for both. Eager
+    (no full graphs) and forced runs are fused on both."""
+    from fusemla.integrations.vllm import FORCE_ENV, UNVERIFIED_FULL_GRAPH_BACKENDS
+
+    a = cls()
+    monkeypatch.setattr(a, "full_cudagraphs", lambda: full)
+    monkeypatch.setattr(a, "kv_transfer_configured", lambda: False)
+    w = _flashmla_wrapper(cache)
+    why = a.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, set(), FORCE_ENV)
+    fp8 = cache.startswith("fp8")
+    if full and not (cls is ad.Vllm033 and fp8):
+        kind = "fp8" if fp8 else "bf16"
+        assert why is not None and f"FLASHMLA decode backend with a {kind} cache" in why, why
+        assert FORCE_ENV in why
+    else:
+        assert why is None, why
+    assert a.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, {"FLASHMLA"}, FORCE_ENV) is None
+    assert ("FLASHMLA", "fp8") in ad.Vllm033.FULL_GRAPH_VERIFIED
+    assert not ad.Vllm032.FULL_GRAPH_VERIFIED

@@ -1322,23 +1322,37 @@ def test_fuse_token_range_follows_the_measured_crossovers():
 
 
 def test_table_split_follows_the_sweep():
-    """The GPU tables cut the latent in 4 only where the d1a0cb0 sweep measured it faster: an
-    FP8 output of few items (16 heads: B = 1 for bf16 W_UV, B <= 32 for 1-byte W_UV); never
-    for a bf16 output, 128 heads or the interpreter; never a SPLIT that leaves chunks over."""
+    """The GPU tables change the bucket's tiles only where the d1a0cb0 / de9c208 sweeps
+    measured it faster: an FP8 output of few items (16 heads, B <= 64): bf16 W_UV split in 4 at
+    16 items and 5 stages up to 64, 1-byte W_UV split in 4 up to 64 items; never a bf16 output,
+    128 heads, the interpreter, or a SPLIT that leaves latent chunks over."""
 
-    def split(N, H=16, w_bytes=2, group=128, backend="cuda", L=512, block_k=None):
+    def cfg(N, H=16, w_bytes=2, group=128, backend="cuda", L=512, block_k=None):
         return configs.tiles(
             L, 128, N, backend, group=group, block_k=block_k, w_bytes=w_bytes, H=H
-        )[1]["SPLIT"]
+        )[1]
 
-    assert split(1) == 4 and split(16) == 4
-    assert split(32) == 1  # bf16 W_UV at 32 items: one program per item measured faster
-    assert split(1, w_bytes=1, block_k=128) == 4 and split(32, w_bytes=1, block_k=128) == 4
-    assert split(33, w_bytes=1, block_k=128) == 1  # 3 token tiles x 16 heads
-    assert split(1, group=None) == 1  # bf16 output: not swept
-    assert split(1, H=128) == split(1, H=128, w_bytes=1) == 1
+    def split(*a, **k):
+        return cfg(*a, **k)["SPLIT"]
+
+    base = dict(cfg(1, H=128))  # 128 items: the bucket's own tiles
+    assert split(1) == split(16) == 4 and cfg(1)["num_stages"] == base["num_stages"]
+    assert split(32) == 1 and cfg(32)["num_stages"] == cfg(64)["num_stages"] == 5
+    assert split(65) == 1 and cfg(65)["num_stages"] == cfg(65, H=128)["num_stages"] == 3
+    fp8w = dict(w_bytes=1, block_k=128)
+    assert split(1, **fp8w) == split(32, **fp8w) == split(64, **fp8w) == 4
+    assert split(65, **fp8w) == 1  # 80 items
+    assert cfg(64, **fp8w)["num_stages"] == cfg(64, H=128, **fp8w)["num_stages"]
+    assert split(1, group=None) == 1 and cfg(32, group=None)["num_stages"] == 3  # bf16 out
+    assert split(1, H=128) == split(1, H=128, **fp8w) == 1
     assert split(1, backend="interpreter") == 1
     assert split(1, backend="rocm") == 4  # CUDA's until measured
+    rocm = cfg(32, backend="rocm")  # AMD's LDS: shorter latent chunks for the 5 stages
+    assert (
+        configs.smem_bytes(rocm, 2, True)
+        <= configs._SMEM_BUDGET["rocm"]
+        < configs.smem_bytes(cfg(32), 2, True)
+    )
     assert split(1, L=256) == 2  # two 128-row chunks: the largest power of two dividing them
-    with configs.override(SPLIT=1):
-        assert split(1) == 1  # a sweep's explicit tiles win
+    with configs.override(SPLIT=1, num_stages=3):
+        assert split(1) == 1 and cfg(32)["num_stages"] == 3  # a sweep's explicit tiles win

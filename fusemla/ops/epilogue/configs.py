@@ -2,7 +2,7 @@
 
 ``SPLIT`` (default 1) cuts each item's latent into that many programs whose partial sums meet
 in a workspace (the last to arrive adds them in order: deterministic); the table picks it for
-FP8 outputs of few items (:data:`_FP8_OUT_SPLIT`). For an FP8 output a ``BLOCK_V`` below the
+FP8 outputs of few items (:data:`_FP8_OUT_FEW`). For an FP8 output a ``BLOCK_V`` below the
 group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; no table
 picks that (the d1a0cb0 sweep: never faster than SPLIT alone); benchmarks sweep both with
 ``cfg``. Keyed on the output
@@ -33,25 +33,28 @@ _GPU_TILES = {
     "medium": (32, 128, 64, 4, 3),
     "large": (64, 128, 64, 8, 3),
 }
-#: the same for an FP8 output, whose V tile holds a whole group (BLOCK_V widened to it);
-#: medium with 5 stages from the d1a0cb0 sweep (16 heads, B = 32, bf16 W_UV: 5.22 against
-#: 5.63 us with 3; block-FP8 W_UV: 5.36 against 5.37)
+#: the same for an FP8 output, whose V tile holds a whole group (BLOCK_V widened to it)
 _GPU_TILES_FP8 = {
     "small": (16, 128, 128, 8, 3),
-    "medium": (16, 128, 128, 8, 5),
+    "medium": (16, 128, 128, 8, 3),
     "large": (64, 128, 128, 8, 3),
 }
-#: SPLIT for an FP8 output on a GPU, by the weight's bytes per element: ``(most items, SPLIT)``,
-#: a launch of at most that many (token tile, V tile, head) items cuts each item's latent in
-#: SPLIT programs (fewer where the latent has fewer chunks). From the H200 sweep at d1a0cb0
-#: (benchmarks/results/h200_epilogue_split_d1a0cb0.json: 16 heads, FP8 out, 90 layers' weights
-#: streamed from HBM), us per launch, SPLIT 1 -> 4:
+#: An FP8 output's launch of few (token tile, V tile, head) items on a GPU: per weight bytes
+#: per element, rules ``(most items, SPLIT, num_stages or None)``, the first whose bound holds
+#: applies: SPLIT cuts each item's latent in that many programs (fewer where the latent has
+#: fewer chunks), num_stages replaces the bucket's. From the H200 sweeps of 16 heads (16, 32,
+#: 64 items at B = 1, 32, 64; h200_epilogue_split_{d1a0cb0,de9c208}.json, FP8 out, weights
+#: streamed from HBM), us per launch, the bucket's tiles -> the rule's:
 #:
-#: - bf16 W_UV, 16 items (B = 1): 5.75 -> 5.11; 32 items (B = 32): 5.22 -> 5.70 (not split)
-#: - block-FP8 W_UV, 16 items: 6.58 -> 5.08; 32 items: 6.58 -> 5.36
+#: - bf16 W_UV: 16 items 5.75 -> 5.11 (SPLIT 4); 32 items 5.62 -> 5.27, 64 items 7.73 -> 5.29
+#:   (5 stages; SPLIT 4 there: 5.71)
+#: - block-FP8 W_UV: 16 items 6.58 -> 5.08, 32 items 6.80 -> 5.40, 64 items 9.53 -> 5.63
+#:   (SPLIT 4)
 #:
-#: Launches of more items (128 heads, larger batches) were not swept: one program per item.
-_FP8_OUT_SPLIT = {1: (32, 4), 2: (16, 4)}
+#: At 128 heads (256 items at B = 32, 512 at B = 64) the bucket's tiles stay: 5 stages were
+#: slower there (bf16 W_UV 11.54 -> 13.79 and 17.74 -> 24.17 us; block-FP8 W_UV 12.27 -> 10.68
+#: at B = 32 but 15.71 -> 18.66 at B = 64); SPLIT was not swept above 64 items.
+_FP8_OUT_FEW = {1: ((64, 4, None),), 2: ((16, 4, None), (64, 1, 5))}
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
 #: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
@@ -124,18 +127,14 @@ def smem_bytes(cfg: dict, w_bytes: int, fp8_out: bool = False) -> int:
     return buffers + (bt * bv * 4 if fp8_out else 0)
 
 
-def split_of(items: int, n_chunks: int, w_bytes: int, fp8_out: bool, backend: str) -> int:
-    """The table's SPLIT for a launch of ``items`` items whose latent has ``n_chunks`` chunks
-    (:data:`_FP8_OUT_SPLIT`; 1 elsewhere and under the interpreter): the largest power of two
-    up to the table's that divides the chunks."""
-    if not fp8_out or backend == "interpreter" or w_bytes not in _FP8_OUT_SPLIT:
-        return 1
-    most, split = _FP8_OUT_SPLIT[w_bytes]
-    if items > most:
-        return 1
-    while n_chunks % split:
-        split //= 2
-    return split
+def few_items_rule(items: int, w_bytes: int, fp8_out: bool, backend: str) -> tuple[int, int | None]:
+    """``(SPLIT, num_stages or None)`` of :data:`_FP8_OUT_FEW` for a launch of ``items`` items;
+    ``(1, None)`` (the bucket's tiles) elsewhere and under the interpreter."""
+    if fp8_out and backend != "interpreter":
+        for most, split, stages in _FP8_OUT_FEW.get(w_bytes, ()):
+            if items <= most:
+                return split, stages
+    return 1, None
 
 
 def tiles(
@@ -153,7 +152,8 @@ def tiles(
     (None: not FP8), ``block_k`` the weight's block-scale rows along L (None: no block scales),
     ``w_bytes`` the weight's bytes per element. A wide V tile (a large group) takes fewer
     tokens, then shorter latent chunks, then fewer pipeline stages, until it fits the
-    backend's shared memory; then :func:`split_of` picks SPLIT."""
+    backend's shared memory; :func:`few_items_rule` picks SPLIT (and the stages) of a launch of
+    few items."""
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     bucket = batch_bucket(N)
@@ -167,7 +167,9 @@ def tiles(
         bk = min(bk, _pow2_divisor(block_k))  # a chunk lies inside one block of rows
     while bt * bv > _MAX_ACC and bt > 16:
         bt //= 2
-    cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=1)
+    items = triton.cdiv(N, bt) * triton.cdiv(V, bv) * H
+    split, stages = few_items_rule(items, w_bytes, group is not None, backend)
+    cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=stages or ns)
     budget = _SMEM_BUDGET.get(backend)
     while budget is not None and smem_bytes(cfg, w_bytes, group is not None) > budget:
         if cfg["BLOCK_K"] > 32:
@@ -178,9 +180,10 @@ def tiles(
             cfg["BLOCK_K"] //= 2
         else:
             break
-    items = triton.cdiv(N, cfg["BLOCK_T"]) * triton.cdiv(V, cfg["BLOCK_V"]) * H
     n_chunks = triton.cdiv(L, cfg["BLOCK_K"])
-    cfg["SPLIT"] = split_of(items, n_chunks, w_bytes, group is not None, backend)
+    while n_chunks % split:  # the largest power of two up to the rule's dividing the chunks
+        split //= 2
+    cfg["SPLIT"] = split
     cfg.update(_overrides)
     check(cfg, group=group, block_k=block_k)
     return bucket, cfg
