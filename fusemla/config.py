@@ -17,6 +17,7 @@ from fusemla.errors import FuseMLATypeError, describe
 
 MXFP4_PATH_ENV = "FUSEMLA_MXFP4_PATH"
 PDL_ENV = "FUSEMLA_PDL"
+PDL_TRIGGER_ENV = "FUSEMLA_PDL_TRIGGER"
 FUSED_DECODE_ENV = "FUSEMLA_FUSED_DECODE"
 FUSED_PREFILL_ENV = "FUSEMLA_FUSED_PREFILL"
 
@@ -37,6 +38,12 @@ def interpreting() -> bool:
 def pdl_mode() -> str:
     """``FUSEMLA_PDL`` normalized to "auto" | "on" | "off" (unset or empty: "auto")."""
     return envs.get(PDL_ENV)
+
+
+def pdl_trigger() -> bool:
+    """``FUSEMLA_PDL_TRIGGER`` (default off): whether a PDL-launched fusemla kernel lets the
+    next kernel launch at its start rather than at its completion."""
+    return envs.get(PDL_TRIGGER_ENV)
 
 
 def mxfp4_path_mode() -> str:

@@ -128,6 +128,17 @@ VARIABLES: dict[str, EnvVar] = {
             values=_AUTO_ON_OFF,
         ),
         EnvVar(
+            "FUSEMLA_PDL_TRIGGER",
+            "switch",
+            False,
+            "With PDL on, let the kernel after a fusemla kernel launch as soon as fusemla's "
+            "starts (gdc_launch_dependents first thing) instead of when it completes. Off by "
+            "default: only safe when that next kernel waits for its producer (griddepcontrol."
+            "wait) before it reads; vLLM's FlashMLA dense decode kernel (SM90) is launched for "
+            "PDL and does not, so it read fusemla's query and cache rows before they were "
+            "written (H200, vLLM 0.33, full CUDA graphs).",
+        ),
+        EnvVar(
             "FUSEMLA_MXFP4_PATH",
             "choice",
             "auto",

@@ -266,7 +266,10 @@ def _register_op() -> None:
 # from the third decode step on the suite's staggered schedule, while a uniform batch of 32
 # decoded vLLM's own tokens: benchmarks/flashmla_graphs.py at d1a0cb0), and with an FP8 cache
 # (vLLM's pick on Hopper) it is within the FP8 floor in both modes: 0.33's adapter fuses that.
-# FLASH_ATTN_MLA and TRITON_MLA agree bit for bit in every mode.
+# FLASH_ATTN_MLA and TRITON_MLA agree bit for bit in every mode. The likely cause of the bf16
+# deviation, found after that run: fusemla's kernels triggered their PDL dependents at their
+# start, and FlashMLA's dense decode kernel (launched for PDL) reads its query and the cache
+# without waiting; they no longer trigger early (FUSEMLA_PDL_TRIGGER), not yet re-judged.
 UNVERIFIED_FULL_GRAPH_BACKENDS = {
     "FLASHMLA": "deviated from vLLM's own path under full CUDA graphs (H200)",
 }

@@ -60,3 +60,13 @@ def choose_pdl(info: platform.PlatformInfo) -> bool:
             "Unset it or set it to 'off'"
         )
     return ok
+
+
+def choose_pdl_trigger(pdl: bool) -> bool:
+    """Whether a kernel launched with PDL (``pdl``) triggers its dependents at its start
+    (``gdc_launch_dependents``): only with ``FUSEMLA_PDL_TRIGGER`` on. Otherwise the next
+    kernel may start only when this one has completed, as with a plain launch, which every
+    consumer is safe with; an early trigger is safe only for consumers that wait for their
+    producer before reading (vLLM's FlashMLA dense SM90 decode kernel, launched for PDL, does
+    not: docs/results.md, de9c208)."""
+    return pdl and config.pdl_trigger()

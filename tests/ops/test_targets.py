@@ -611,3 +611,45 @@ def test_one_epilogue_variant_compiles_for_sm_90_and_gfx942(tmp_path):
             rec["specialized"]["s_w_v"] == 1 and "N" not in rec["specialized"]
         )  # one binary per bucket
     assert recs[1]["resources"]["scratch"] == 0
+
+
+_PDL_PTX = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("t", sys.argv[1])
+t = sys.modules["t"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+target, op = t.TARGETS["sm_90"], sys.argv[2]
+cap = t.capture(target, t.OPS[op].base, op=op)
+ptx = t.compile_for(target, cap).asm["ptx"]
+print(json.dumps({"pdl": cap.plan.pdl, "trigger": cap.plan.constexprs["PDL_TRIGGER"],
+                  "wait": "griddepcontrol.wait" in ptx,
+                  "launch": "griddepcontrol.launch_dependents" in ptx}))
+"""
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_pdl_kernel_lets_the_next_one_launch_only_when_it_completes(op, tmp_path):
+    """With PDL (sm_90) the kernels wait for their producer (griddepcontrol.wait) but, unless
+    FUSEMLA_PDL_TRIGGER is on, never trigger their dependents early
+    (griddepcontrol.launch_dependents): a kernel after them launched for PDL that reads without
+    waiting (vLLM's FlashMLA dense decode) must not see their outputs half written. Compiled
+    for sm_90 in a fresh process without the interpreter."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton lacks the NVIDIA backend")
+    got = {}
+    for trigger in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update({config.PDL_TRIGGER_ENV: trigger, "TRITON_CACHE_DIR": str(tmp_path / trigger)})
+        run = subprocess.run(
+            [sys.executable, "-c", _PDL_PTX, str(ROOT / "benchmarks/targets.py"), op],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        got[trigger] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["0"] == {"pdl": True, "trigger": False, "wait": True, "launch": False}, got
+    assert got["1"] == {"pdl": True, "trigger": True, "wait": True, "launch": True}, got

@@ -51,7 +51,8 @@ _GPU_TILES_FP8 = {
 #: - block-FP8 W_UV: 16 items 6.58 -> 5.08, 32 items 6.80 -> 5.40, 64 items 9.53 -> 5.63
 #:   (SPLIT 4)
 #:
-#: At 128 heads (256 items at B = 32, 512 at B = 64) the bucket's tiles stay: 5 stages were
+#: The large bucket's 64-token tiles were not swept: they keep the table's. At 128 heads (256
+#: items at B = 32, 512 at B = 64) the bucket's tiles stay: 5 stages were
 #: slower there (bf16 W_UV 11.54 -> 13.79 and 17.74 -> 24.17 us; block-FP8 W_UV 12.27 -> 10.68
 #: at B = 32 but 15.71 -> 18.66 at B = 64); SPLIT was not swept above 64 items.
 _FP8_OUT_FEW = {1: ((64, 4, None),), 2: ((16, 4, None), (64, 1, 5))}
@@ -127,10 +128,14 @@ def smem_bytes(cfg: dict, w_bytes: int, fp8_out: bool = False) -> int:
     return buffers + (bt * bv * 4 if fp8_out else 0)
 
 
-def few_items_rule(items: int, w_bytes: int, fp8_out: bool, backend: str) -> tuple[int, int | None]:
-    """``(SPLIT, num_stages or None)`` of :data:`_FP8_OUT_FEW` for a launch of ``items`` items;
-    ``(1, None)`` (the bucket's tiles) elsewhere and under the interpreter."""
-    if fp8_out and backend != "interpreter":
+def few_items_rule(
+    items: int, w_bytes: int, fp8_out: bool, backend: str, bucket: str
+) -> tuple[int, int | None]:
+    """``(SPLIT, num_stages or None)`` of :data:`_FP8_OUT_FEW` for a launch of ``items`` items
+    on CUDA in the small or medium bucket (the 16-token tiles the H200 sweeps measured);
+    ``(1, None)`` (the bucket's tiles) elsewhere: ROCm (whose LDS would cut the 5 stages'
+    latent chunks: not measured), the large bucket, the interpreter."""
+    if fp8_out and backend == "cuda" and bucket in ("small", "medium"):
         for most, split, stages in _FP8_OUT_FEW.get(w_bytes, ()):
             if items <= most:
                 return split, stages
@@ -168,7 +173,7 @@ def tiles(
     while bt * bv > _MAX_ACC and bt > 16:
         bt //= 2
     items = triton.cdiv(N, bt) * triton.cdiv(V, bv) * H
-    split, stages = few_items_rule(items, w_bytes, group is not None, backend)
+    split, stages = few_items_rule(items, w_bytes, group is not None, backend, bucket)
     cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=stages or ns)
     budget = _SMEM_BUDGET.get(backend)
     while budget is not None and smem_bytes(cfg, w_bytes, group is not None) > budget:

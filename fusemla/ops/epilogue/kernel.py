@@ -165,13 +165,14 @@ def mla_epilogue_kernel(
     DOT_FP32: tl.constexpr,
     FIX_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
     SPLIT: tl.constexpr,
     VSUB: tl.constexpr,
 ):
     """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
     scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
     scales."""
-    if USE_PDL:
+    if USE_PDL and PDL_TRIGGER:  # FUSEMLA_PDL_TRIGGER: the next kernel may launch now
         gdc_launch_dependents()
     if DOT_FP32:  # the interpreter's dot in fp32
         DOT_TY: tl.constexpr = tl.float32

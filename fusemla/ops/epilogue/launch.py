@@ -16,7 +16,7 @@ import triton
 from fusemla import config, platform
 from fusemla.contracts.epilogue import EPS, EpilogueArgs, fp8_group_max
 from fusemla.dtypes import fp8_code
-from fusemla.ops.common import backend_of, check_fp8_formats, choose_pdl
+from fusemla.ops.common import backend_of, check_fp8_formats, choose_pdl, choose_pdl_trigger
 from fusemla.ops.epilogue import configs
 from fusemla.ops.epilogue.kernel import mla_epilogue_kernel
 from fusemla.quant import weight_parts
@@ -87,6 +87,7 @@ def plan(
     # an FP8 group wider than the V tile: its GROUP / BLOCK_V tiles meet in the workspace
     vsub = group // tiles["BLOCK_V"] if group and tiles["BLOCK_V"] < group else 1
     pdl = choose_pdl(info)
+    pdl_trigger = choose_pdl_trigger(pdl)
     interp = backend == "interpreter"
     out_code = fp8_code(args.out.dtype) if spec.fp8_out else 0
     constexprs = dict(
@@ -106,6 +107,7 @@ def plan(
         DOT_FP32=interp,
         FIX_BF16=interp,
         USE_PDL=pdl,
+        PDL_TRIGGER=pdl_trigger,
         SPLIT=split,
         VSUB=vsub,
         num_warps=tiles["num_warps"],

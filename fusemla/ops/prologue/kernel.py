@@ -619,6 +619,7 @@ def mla_prologue_kernel(
     DOT_FP32: tl.constexpr,
     FIX_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
     KV_SCALE_PTR: tl.constexpr,
     Q_SCALE_PTR: tl.constexpr,
 ):
@@ -628,12 +629,16 @@ def mla_prologue_kernel(
 
     ``USE_PDL`` (programmatic dependent launch, sm_90+): the kernel may start while the kernel
     before it still runs; BMM programs load their first weight tile first and every program
-    waits (``gdc_wait``) before reading anything else or writing; the kernel after it may be
-    launched at once (``gdc_launch_dependents``) and must wait for this one's results itself.
+    waits (``gdc_wait``) before reading anything else or writing. ``PDL_TRIGGER``
+    (``FUSEMLA_PDL_TRIGGER``, off by default): the kernel after it may be launched at once
+    (``gdc_launch_dependents``) and must wait for this one's results itself; off, it starts
+    when this one completes, as after a plain launch (vLLM's FlashMLA dense decode kernel is
+    launched for PDL and reads its query and cache without waiting).
     """
     pid = tl.program_id(0)
     if USE_PDL:
-        gdc_launch_dependents()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
         if pid >= n_bmm:
             gdc_wait()
     if pid < n_bmm:

@@ -14,7 +14,7 @@ import triton
 from fusemla import config, platform
 from fusemla.contracts.prologue import PrologueArgs, check_device_values, split_scale
 from fusemla.dtypes import fp8_code
-from fusemla.ops.common import backend_of, check_fp8_formats
+from fusemla.ops.common import backend_of, check_fp8_formats, choose_pdl_trigger
 from fusemla.ops.common import num_sms as _num_sms
 from fusemla.ops.prologue import configs, policy
 from fusemla.ops.prologue.kernel import mla_prologue_kernel
@@ -88,6 +88,7 @@ def plan(
     )
     w_fmt, mx_native = variant.kernel_flags
     pdl = policy.choose_pdl(info)
+    pdl_trigger = choose_pdl_trigger(pdl)
     interp = backend == "interpreter"  # work around the interpreter's bf16 dot and cast
     w_dtype = weight_parts(args.w_uk_t)[0].dtype
     constexprs = dict(
@@ -114,6 +115,7 @@ def plan(
         DOT_FP32=interp,
         FIX_BF16=interp,
         USE_PDL=pdl,
+        PDL_TRIGGER=pdl_trigger,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

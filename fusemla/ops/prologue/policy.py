@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fusemla import config
 from fusemla.errors import FuseMLAValueError
-from fusemla.ops.common import choose_pdl
+from fusemla.ops.common import choose_pdl, choose_pdl_trigger
 from fusemla.platform import PlatformInfo, check_info
 
 __all__ = [
@@ -144,7 +144,9 @@ def report_lines(info: PlatformInfo) -> list[str]:
         path = f"error: {exc}"
     lines.append(f"  MXFP4 weights: {path}")
     try:
-        pdl = "on" if choose_pdl(info) else "off"
+        on = choose_pdl(info)
+        trigger = "at its start" if choose_pdl_trigger(on) else "when it completes"
+        pdl = f"on (the next kernel may launch {trigger})" if on else "off"
     except FuseMLAValueError as exc:
         pdl = f"error: {exc}"
     lines.append(f"  programmatic dependent launch: {pdl}")
