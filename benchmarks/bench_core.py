@@ -255,7 +255,7 @@ class Bench:
 
 def fmt_key(key: dict) -> str:
     parts = [key.get("op", ""), key.get("impl", "")]
-    for k in ("w_dtype", "kv_dtype", "H", "B"):
+    for k in ("w_dtype", "kv_dtype", "q_dtype", "H", "B"):
         if key.get(k) is not None:
             parts.append(f"{k}={key[k]}")
     return " ".join(str(p) for p in parts)
@@ -303,10 +303,11 @@ def laid_out(w, layout: str):
     return w.contiguous() if layout == "l" else w.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def fused_runner(x, out, fmt="bf16", cfg=None, layout: str | None = None) -> Runner:
+def fused_runner(x, out, fmt="bf16", cfg=None, layout: str | None = None, q_scale=None) -> Runner:
     """The fused kernel on layer ``x`` with its weight in ``fmt``: through the public op
     (``cfg`` None), or prepared once and launched with tile config ``cfg``; ``layout`` "l" /
-    "k" re-stores the weight (:func:`laid_out`; None: as quantized)."""
+    "k" re-stores the weight (:func:`laid_out`; None: as quantized); ``q_scale``: the FP8
+    query's scale when ``out`` is FP8 (vLLM's FLASHMLA decode query)."""
     w = quantized(x, fmt)
     if layout is not None:
         w = laid_out(w, layout)
@@ -314,6 +315,8 @@ def fused_runner(x, out, fmt="bf16", cfg=None, layout: str | None = None) -> Run
     args[4] = w
     weight = None if fmt == "bf16" else w
     ref_kw = {"act_quant": "fp8"} if fmt == "fp8xfp8" else {}
+    if q_scale is not None:
+        ref_kw["q_scale"] = q_scale
     if cfg is None:
 
         def run():

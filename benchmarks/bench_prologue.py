@@ -168,6 +168,30 @@ def decode_rows(b: Bench, a) -> None:
                 min_bytes(B, H, P, R, L, 2, 2, kv_bytes),
                 **extra,
             )
+        if "fused" in a.impls and kv_name == "fp8" and a.q_fp8:
+            # an FP8 query as well (vLLM's FLASHMLA with an FP8 cache): per-tensor scale 1.0,
+            # vLLM's default q scale; checked against the reference's single rounding
+            key = dict(base, impl="fused", w_dtype="bf16", q_dtype="fp8")
+            try:
+                scale = torch.ones((), dtype=torch.float32, device=b.device)
+                runners = [
+                    fused_runner(
+                        x,
+                        torch.empty(B, H, L + R, dtype=kv_dtype, device=b.device),
+                        q_scale=scale,
+                    )
+                    for x in layers
+                ]
+            except Exception as e:  # noqa: BLE001
+                b.fail(key, [f"setup raised {type(e).__name__}: {e}"])
+            else:
+                b.measure(
+                    key,
+                    runners,
+                    prologue_check(layers[0], runners[0]),
+                    min_bytes(B, H, P, R, L, 2, 2, kv_bytes),
+                    note="FP8 query out (scale 1.0) and FP8 cache; min_bytes counts a bf16 query",
+                )
         if "fused" in a.impls and (kv_name == "bf16" or a.formats_all_kv):
             for fmt in a.formats:
                 if fmt == "bf16":
@@ -504,6 +528,11 @@ def parse(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=list(KV_DTYPES))
     ap.add_argument("--impls", nargs="+", default=list(DECODE_IMPLS), choices=DECODE_IMPLS)
+    ap.add_argument(
+        "--q-fp8",
+        action="store_true",
+        help="with an FP8 cache, a fused row with an FP8 query too (vLLM's FLASHMLA path)",
+    )
     ap.add_argument("--mixed-impls", nargs="+", default=list(MIXED_IMPLS), choices=MIXED_IMPLS)
     ap.add_argument(
         "--formats",
@@ -537,6 +566,7 @@ def parse(argv=None):
     modes = {m for m in ("rows", "chain", "floors", "mixed", "sweep", "aiter") if getattr(a, m)}
     if a.smoke:  # not aiter: its kernel meets the interpreter's bf16 bugs (aiter_peer.py)
         modes = {"rows", "chain", "floors", "mixed", "sweep"}
+        a.q_fp8 = True  # the FP8-query row is checked too
     elif a.all or not modes:
         modes |= {"rows", "chain", "floors", "mixed"}
     small = a.smoke
