@@ -316,7 +316,7 @@ def fused_runner(x, out, fmt="bf16", cfg=None, layout: str | None = None, q_scal
     weight = None if fmt == "bf16" else w
     ref_kw = {"act_quant": "fp8"} if fmt == "fp8xfp8" else {}
     if q_scale is not None:
-        ref_kw["q_scale"] = q_scale
+        ref_kw.update(q_scale=q_scale, q_out_dtype=out.dtype)
     if cfg is None:
 
         def run():
