@@ -66,3 +66,20 @@ def test_the_launch_runs_what_the_plan_returned(device, monkeypatch, weights, kv
     assert pl.constexprs["DOT_FP32"] is interp and pl.constexprs["FIX_BF16"] is interp
     assert pl.constexprs["USE_PDL"] is pl.pdl and ("launch_pdl" in kw) is pl.pdl
     assert (pl.n_bmm == 0) == (D == 0) == (pl.bmm_items == 0)
+
+
+def test_pdl_trigger_is_off_unless_asked(monkeypatch):
+    """A PDL launch lets the next kernel start only when it completes unless
+    FUSEMLA_PDL_TRIGGER asks for the early trigger; without PDL there is nothing to trigger;
+    a bad value names the variable."""
+    from fusemla import config
+    from fusemla.errors import FuseMLAValueError
+    from fusemla.ops.common import choose_pdl_trigger
+
+    monkeypatch.delenv(config.PDL_TRIGGER_ENV, raising=False)
+    assert choose_pdl_trigger(True) is False and choose_pdl_trigger(False) is False
+    monkeypatch.setenv(config.PDL_TRIGGER_ENV, "1")
+    assert choose_pdl_trigger(True) is True and choose_pdl_trigger(False) is False
+    monkeypatch.setenv(config.PDL_TRIGGER_ENV, "sometimes")
+    with pytest.raises(FuseMLAValueError, match="FUSEMLA_PDL_TRIGGER"):
+        choose_pdl_trigger(True)
