@@ -9,6 +9,7 @@
 #   bash tests/vllm/h200.sh depth NAME [pair args] [+ latency args ...]   # the full-depth
 #                                     # benchmark's jobs one after the other, in the background,
 #                                     # from their own copy of the checkout
+#   bash tests/vllm/h200.sh then-depth NAME [args]  # after start: that depth job once the suite is done
 #   bash tests/vllm/h200.sh depth-wait N [NAME]   # wait up to N s for job NAME; its JSON + logs to $OUT
 #   bash tests/vllm/h200.sh kernels   # the kernel + layer suite (--device=cuda, the machine's own
 #                                     # torch), in the background from a copy of the checkout
@@ -90,6 +91,15 @@ case ${1:-} in
     setsid nohup bash -c "bash $job > /tmp/depth_out/driver_$name.log 2>&1
       echo \$? > /tmp/depth_out/done_$name" > /dev/null 2>&1 < /dev/null &
     echo "[h200] depth job $name started at commit $commit" ;;
+  then-depth)
+    # after `start`: the depth job NAME [args] begins as soon as the suite is done, with no
+    # device call in between (both would not fit the GPU at once)
+    name=${2:?then-depth NAME ...}
+    args=$(printf ' %q' "${@:2}")
+    setsid nohup bash -c "while [ ! -f $RUN/done ]; do sleep 2; done
+      cd $(printf '%q' "$PWD") && VGPU=$VG VTAG=$VTAG bash tests/vllm/h200.sh depth$args \
+        > /tmp/depth_start_$name.log 2>&1" > /dev/null 2>&1 < /dev/null &
+    echo "[h200] depth job $name queued behind the suite" ;;
   depth-wait)
     limit=${2:-500}
     t0=$SECONDS
@@ -115,5 +125,5 @@ case ${1:-} in
     tail -c 3000 /tmp/kern_run/tests.log
     [[ -f /tmp/kern_run/done ]] && echo "[h200] kernel suite exit status $(cat /tmp/kern_run/done)" || echo "[h200] kernel suite still running"
     cp /tmp/kern_run/tests.log "$OUTDIR/h200_gpu_tests_$commit.log" 2>/dev/null ;;
-  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds]"; exit 2 ;;
+  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds]"; exit 2 ;;
 esac
