@@ -125,7 +125,8 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
-    flashmla, epi, epi8, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL always runs)."""
+    flashmla, epi, epi8, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL
+    always runs)."""
 
     def want(g):
         return groups is None or g in groups
