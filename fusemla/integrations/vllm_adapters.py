@@ -258,7 +258,7 @@ class VllmAdapter:
         if a.prefill_backend is None:
             return "no dense prefill backend"
         backend = a.attn_backend.get_name()
-        cache = "fp8" if a.kv_cache_dtype in _FP8_CACHE_DTYPES else "bf16"
+        cache = "fp8" if self.is_fp8_cache(a) else "bf16"
         if (
             backend in unverified_full_graph
             and (backend, cache) not in self.FULL_GRAPH_VERIFIED

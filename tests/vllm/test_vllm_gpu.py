@@ -475,6 +475,20 @@ def _verified_full_graph(backend: str, cache: str) -> bool:
     return ad is not None and (backend, cache) in ad.FULL_GRAPH_VERIFIED
 
 
+def _check_fused_on_flashmla_fp8(runner, report, on: dict, off: dict, key: str) -> None:
+    """Run ``on`` ran FLASHMLA with an FP8 cache fused in every layer, within the FP8 noise
+    floor of vLLM's own FLASHMLA path against ``off`` (recorded under ``key``)."""
+    floor = _floor(runner, HALF_MODEL, "fp8f-", **FLASHMLA_FP8)
+    dev = deviation(on, off)
+    _record(report, f"{HALF_MODEL}/fp8/FLASHMLA/{key}", dev, floor, {"stats": stats(on)})
+    assert on["backends"][0]["backend"] == "FLASHMLA"
+    assert on["backends"][0]["kv_cache_dtype"].startswith("fp8")
+    assert stats(on)["layers_fused"] == on["backends"][0]["layers"], stats(on)
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == [], (dev, floor)
+    check_fused(on, off)
+
+
 @pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
 def test_fp8_cache_on_flashmla_in_vllms_default_mode(gpu_runs):
     """vLLM's own backend choice for an FP8 cache on Hopper is FLASHMLA, in its default mode
@@ -491,15 +505,7 @@ def test_fp8_cache_on_flashmla_in_vllms_default_mode(gpu_runs):
     on = runner.run(_spec(HALF_MODEL, f"fp8d-on-{mode}", True, mode, kv_cache_dtype="fp8"))
     assert on["backends"][0]["backend"] == "FLASHMLA"
     if _verified_full_graph("FLASHMLA", "fp8"):
-        floor = _floor(runner, HALF_MODEL, "fp8f-", **FLASHMLA_FP8)
-        dev = deviation(on, off)
-        _record(
-            report, f"{HALF_MODEL}/fp8/FLASHMLA/{mode}/default", dev, floor, {"stats": stats(on)}
-        )
-        assert stats(on)["layers_fused"] == on["backends"][0]["layers"], stats(on)
-        assert token_problems(on, off) == []
-        assert judge(dev, floor) == [], (dev, floor)
-        check_fused(on, off)
+        _check_fused_on_flashmla_fp8(runner, report, on, off, f"{mode}/default")
         return
     d = _falls_back(on, off, "the FLASHMLA decode backend", exact=False)
     _record(report, f"{HALF_MODEL}/fp8/FLASHMLA/{mode}/fallback", d, _floor(runner, HALF_MODEL))
@@ -519,15 +525,7 @@ def test_fp8_cache_on_flashmla_forced_fused(gpu_runs, mode):
     runner, report = gpu_runs
     off = runner.run(_spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8))
     on = runner.run(_spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8))
-    floor = _floor(runner, HALF_MODEL, "fp8f-", **FLASHMLA_FP8)
-    dev = deviation(on, off)
-    _record(report, f"{HALF_MODEL}/fp8/FLASHMLA/{mode}/forced", dev, floor, {"stats": stats(on)})
-    assert on["backends"][0]["backend"] == "FLASHMLA"
-    assert on["backends"][0]["kv_cache_dtype"].startswith("fp8")
-    assert stats(on)["layers_fused"] == on["backends"][0]["layers"]
-    assert token_problems(on, off) == []
-    assert judge(dev, floor) == [], (dev, floor)
-    check_fused(on, off)
+    _check_fused_on_flashmla_fp8(runner, report, on, off, f"{mode}/forced")
 
 
 @pytest.mark.parametrize("model", WUK_MODELS)
