@@ -127,12 +127,39 @@ def cast_rne(x, ty: tl.constexpr, FIX_BF16: tl.constexpr):
 
 
 @triton.jit
-def quantize_value(x, scale, CODE: tl.constexpr):
+def divide_exact(x, d, inv_d):
+    """``x / d`` rounded to nearest even, exactly as an IEEE fp32 division, from ``inv_d`` (the
+    caller's IEEE ``1 / d``, computed once for many ``x``): a multiply and two fused
+    multiply-adds per element. ``q = x * inv_d`` is within an ulp of the quotient, its residual
+    ``x - q * d`` is exact in one fma, and ``q + residual * inv_d`` rounds to the correctly
+    rounded quotient (Markstein's theorem: ``inv_d`` correctly rounded, no underflow or
+    overflow on the way). Where ``q`` overflows it is kept (the quotient is then beyond fp32 too,
+    an infinity either way), and where it is zero too (the correction would turn ``-0`` into
+    ``+0``, another FP8 byte); quotients in fp32's subnormal range may differ from IEEE's, which
+    no FP8 code can tell (the smallest FP8 step is 2**-9). ``tl.math.div_rn``
+    per element costs more than the rest of the prologue at decode batch sizes (docs/results.md)."""
+    q = x * inv_d
+    r = tl.math.fma(-q, d, x)
+    return tl.where((tl.abs(q) < float("inf")) & (q != 0.0), tl.math.fma(r, inv_d, q), q)
+
+
+@triton.jit
+def quantize_value(x, scale, inv_scale, CODE: tl.constexpr):
     """fp32 ``x`` -> the fp32 value an output of FP8 format CODE stores: unchanged for CODE 0
-    (not FP8), else ``saturate(x / scale)`` on the e4m3 grid, IEEE division."""
+    (not FP8), else ``saturate(x / scale)`` on the e4m3 grid, the IEEE quotient
+    (:func:`divide_exact`; ``inv_scale`` is the caller's ``1 / scale``, computed once)."""
     if CODE != 0:
-        x = round_to_fp8_grid(tl.math.div_rn(x, scale), CODE)
+        x = round_to_fp8_grid(divide_exact(x, scale, inv_scale), CODE)
     return x
+
+
+@triton.jit
+def inverse(scale, CODE: tl.constexpr):
+    """The IEEE ``1 / scale`` that :func:`quantize_value` wants where an output of FP8 format
+    CODE needs it (one division, once per program), else 1."""
+    if CODE != 0:
+        return tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
+    return 1.0
 
 
 @triton.jit

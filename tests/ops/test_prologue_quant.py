@@ -166,6 +166,37 @@ def test_fp8_query_output(device, weights, scale_kind):
     assert float(deq.abs().max()) <= 448 * q_scale * (1 + 1e-6)  # saturated, never inf/NaN
 
 
+def test_fp8_query_and_cache_store_the_ieee_quotient(device):
+    """Both FP8 outputs store ``saturate(x / scale)``, the IEEE quotient, which the kernel takes
+    from one reciprocal per program (a multiply and an fma correction per element). A value where
+    the plain multiply ``x * (1 / scale)`` gives the neighbouring code tells the two apart:
+    x = 0.00439453125 (a bf16 value), scale 0.3, x / 0.3 next to an FP8 rounding midpoint. The
+    rope halves carry x unrotated (``rope_applied``) and the latent's first 8 columns hold -x
+    (the rest stays random), so the query's rope half, the cache's k_pe and those latent columns
+    each see exactly +-x."""
+    x, scale = 0.00439453125, 0.3
+    s32 = torch.tensor(scale, dtype=torch.float32)
+    xs = torch.tensor([x, -x])
+    by_inverse = (xs * (torch.ones(()) / s32)).to(FP8).view(torch.uint8)
+    by_division = (xs / s32).to(FP8).view(torch.uint8)
+    assert (by_inverse != by_division).all()  # the value really separates the rules
+    inp = make_inputs(
+        3, **_dims(device, 4), kv_dtype=FP8, outliers=False, device=device, generator=_gen("rule")
+    )
+    inp.q_pe.fill_(x)
+    inp.k_pe.fill_(x)
+    inp.kv_c[:, :8] = -x
+    inp.kv_scale = scale
+    kw = dict(q_out_dtype=FP8, q_scale=scale, rope_applied=True)
+    run_and_compare(mla_prologue, inp, **kw).assert_ok()
+    q = mla_decode_prologue(*inp.args(), kv_scale=scale, **kw)
+    L = inp.kv_c.shape[1]
+    assert (q[..., L:].view(torch.uint8).cpu() == by_division[0]).all()
+    cache = inp.kv_cache.view(-1, inp.kv_cache.shape[-1])[inp.slot_mapping.long()]
+    assert (cache[:, L:].view(torch.uint8).cpu() == by_division[0]).all()
+    assert (cache[:, :8].view(torch.uint8).cpu() == by_division[1]).all()
+
+
 def test_quantized_weight_errors(device):
     inp = make_inputs(2, **_dims(device, 4), device=device)
     qw = _quantize(inp.w_uk_t, "fp8-tensor")

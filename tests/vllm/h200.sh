@@ -11,8 +11,9 @@
 #                                     # from their own copy of the checkout
 #   bash tests/vllm/h200.sh then-depth NAME [args]  # after start: that depth job once the suite is done
 #   bash tests/vllm/h200.sh depth-wait N [NAME]   # wait up to N s for job NAME; its JSON + logs to $OUT
-#   bash tests/vllm/h200.sh kernels   # the kernel + layer suite (--device=cuda, the machine's own
-#                                     # torch), in the background from a copy of the checkout
+#   bash tests/vllm/h200.sh kernels [paths]   # the kernel + layer suite (--device=cuda, the
+#                                     # machine's own torch; all of tests/ or the paths given), in
+#                                     # the background from a copy of the checkout
 #   bash tests/vllm/h200.sh kernels-wait N   # wait up to N s for it; its log to $OUT
 #
 # VGPU=<folder> (default .vgpu) picks the bundle (e.g. .vgpu033 for vLLM 0.33, whose gpu_env.sh
@@ -96,7 +97,8 @@ case ${1:-} in
     # device call in between (both would not fit the GPU at once)
     name=${2:?then-depth NAME ...}
     args=$(printf ' %q' "${@:2}")
-    setsid nohup bash -c "while [ ! -f $RUN/done ]; do sleep 2; done
+    # (and after the kernel suite, where one was started: it shares the GPU)
+    setsid nohup bash -c "while [ ! -f $RUN/done ] || { [ -d /tmp/kern_run ] && [ ! -f /tmp/kern_run/done ]; }; do sleep 2; done
       cd $(printf '%q' "$PWD") && VGPU=$VG VTAG=$VTAG bash tests/vllm/h200.sh depth$args \
         > /tmp/depth_start_$name.log 2>&1" > /dev/null 2>&1 < /dev/null &
     echo "[h200] depth job $name queued behind the suite" ;;
@@ -113,9 +115,11 @@ case ${1:-} in
     rm -rf /tmp/kern_src /tmp/kern_run && mkdir -p /tmp/kern_src /tmp/kern_run
     tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C /tmp/kern_src
     echo "$commit" > /tmp/kern_run/commit
+    paths=" tests"  # or the test paths given after `kernels`
+    (( $# > 1 )) && paths=$(printf ' %q' "${@:2}")
     setsid nohup bash -c "cd /tmp/kern_src && FUSEMLA_COMMIT=$commit python3 -m pytest -q -rs \
       --device=cuda -p no:cacheprovider --ignore=tests/ops/test_prologue_properties.py \
-      --ignore=tests/vllm --ignore=tests/ops/test_targets.py tests > /tmp/kern_run/tests.log 2>&1
+      --ignore=tests/vllm --ignore=tests/ops/test_targets.py$paths > /tmp/kern_run/tests.log 2>&1
       echo \$? > /tmp/kern_run/done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] kernel suite started at commit $commit" ;;
   kernels-wait)

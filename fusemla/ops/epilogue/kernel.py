@@ -13,7 +13,7 @@ of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block).
 ``OUT_FP8`` (an FP8 format code of :data:`fusemla.dtypes.FP8_FORMATS`, 0: not FP8): a V tile
 holds whole groups, so each program quantizes its own: per row and group, ``absmax =
 max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two with
-``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (IEEE division) on the e4m3 grid, ties to even;
+``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (the IEEE quotient, from one reciprocal per row and group) on the e4m3 grid, ties to even;
 :mod:`fusemla.reference.epilogue` states the same rule in PyTorch.
 
 ``SPLIT`` > 1: each item's latent is cut among SPLIT programs. ``VSUB`` > 1 (an FP8 output
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fusemla.ops.triton_helpers import cast_rne, round_to_fp8_grid
+from fusemla.ops.triton_helpers import cast_rne, divide_exact, round_to_fp8_grid
 
 
 @triton.jit
@@ -111,7 +111,13 @@ def _finish(
         s = absmax * (1.0 / FMAX)
         if UE8M0:
             s = _pow2_ceil(s)
-        y = tl.math.div_rn(g, tl.broadcast_to(s[:, :, None], (BLOCK_T, NG, GROUP)))
+        # the IEEE quotient g / s: one division per (row, group), two fma per element
+        inv = tl.math.div_rn(tl.full((BLOCK_T, NG), 1.0, tl.float32), s)
+        y = divide_exact(
+            g,
+            tl.broadcast_to(s[:, :, None], (BLOCK_T, NG, GROUP)),
+            tl.broadcast_to(inv[:, :, None], (BLOCK_T, NG, GROUP)),
+        )
         y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
         y = tl.reshape(round_to_fp8_grid(y, OUT_FP8), (BLOCK_T, BLOCK_V))
         tl.store(p_out, y.to(p_o.dtype.element_ty), mask=m_o)

@@ -18,6 +18,11 @@ One flat grid with four kinds of program:
   (quantized for an FP8 cache) into the token's slot; prefill tokens also store ``k_pe_rot`` into
   ``k_pe_out[t - D]``.
 
+An FP8 query (both halves) is ``saturate(q / q_scale)`` and an FP8 cache row ``saturate(x /
+kv_scale)``, both the IEEE quotient, computed from one reciprocal per program and a multiply and two
+fused multiply-adds per element (``triton_helpers.divide_exact``; a division per element cost more
+than the rest of the kernel, docs/results.md).
+
 ``APPLY_ROPE`` False (the caller already rotated q_pe and k_pe) copies them unrotated.
 Out-of-range values the host cannot see without a device sync never cause an out-of-bounds
 access: positions are clamped into ``[0, max_position)``; slots that are negative or
@@ -39,6 +44,7 @@ from fusemla.ops.triton_helpers import (
     e2m1_to_f32,
     e8m0_to_f32,
     fp8_max,
+    inverse,
     load_rope_halves,
     quantize_value,
     rotate_halves,
@@ -102,11 +108,12 @@ def _rope_q_program(
             x_a, x_b, pos, m_row, p_cos, s_cos, p_sin, s_sin, R // 2, BLOCK_R // 2
         )
     scale = _scale(p_os, os_value, OS_FROM_PTR)
+    inv = inverse(scale, O_FP8)
     ty = p_o.dtype.element_ty
     store_rope_halves(
         p_o + o_i * s_o_t + o_h * s_o_h + o_col0,
-        cast_rne(quantize_value(x_a, scale, O_FP8), ty, FIX_BF16),
-        cast_rne(quantize_value(x_b, scale, O_FP8), ty, FIX_BF16),
+        cast_rne(quantize_value(x_a, scale, inv, O_FP8), ty, FIX_BF16),
+        cast_rne(quantize_value(x_b, scale, inv, O_FP8), ty, FIX_BF16),
         m_row,
         R // 2,
         BLOCK_R // 2,
@@ -198,6 +205,7 @@ def _bmm_tile(
     b_w2,
     w_scale,
     q_scale,
+    q_inv,
     D,
     p_qn,
     s_qn_t,
@@ -224,7 +232,9 @@ def _bmm_tile(
     ``A_QUANT`` (FP8 weights; the FP8 format code of the weight): each token's row is quantized
     to that format with its own scale ``s = amax / fp8_max`` (1 for an all-zero row), codes
     ``saturate(x * (1 / s))`` rounded to nearest even, and the dot runs FP8 x FP8 with exact
-    fp32 accumulation, its result multiplied back by ``s``."""
+    fp32 accumulation, its result multiplied back by ``s``. An FP8 query (``Q_FP8``) stores
+    ``saturate(q / q_scale)``, the IEEE quotient from ``q_inv = 1 / q_scale`` (computed once by
+    the program)."""
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < D
     o_t64 = o_t.to(tl.int64)
@@ -258,7 +268,7 @@ def _bmm_tile(
         b_o = b_o * w_scale
     elif W_FMT == 3:
         b_o = b_o * w_scale[None, :]
-    b_o = quantize_value(b_o, q_scale, Q_FP8)
+    b_o = quantize_value(b_o, q_scale, q_inv, Q_FP8)
     p_o = p_q + o_t64[:, None] * s_q_t + i_h * s_q_h + o_l[None, :]
     tl.store(
         p_o, cast_rne(b_o, p_q.dtype.element_ty, FIX_BF16), mask=m_t[:, None] & (o_l < L)[None, :]
@@ -350,6 +360,7 @@ def _bmm_program(
         # everything else (activations, scales, outputs) only after it has completed
         gdc_wait()
     q_scale = _scale(p_qs, q_scale_value, Q_SCALE_PTR)
+    q_inv = inverse(q_scale, Q_FP8)
     _bmm_tile(
         i_h=i_h,
         i_l=i_l,
@@ -358,6 +369,7 @@ def _bmm_program(
         b_w2=b_w2,
         w_scale=w_scale,
         q_scale=q_scale,
+        q_inv=q_inv,
         D=D,
         p_qn=p_qn,
         s_qn_t=s_qn_t,
@@ -409,6 +421,7 @@ def _bmm_program(
             b_w2=b_w2,
             w_scale=w_scale,
             q_scale=q_scale,
+            q_inv=q_inv,
             D=D,
             p_qn=p_qn,
             s_qn_t=s_qn_t,
@@ -482,6 +495,7 @@ def _cache_program(
     valid = m_t & (slot >= 0) & (slot < num_slots)
     slot = tl.where(valid, slot, 0)
     scale = _scale(p_kvs, kv_scale_value, KV_SCALE_PTR)
+    inv = inverse(scale, KV_FP8)
 
     # [CACHE_ROWS, BLOCK_R / 2] each: the two lanes of every rotary pair of k_pe
     k_a, k_b = load_rope_halves(p_kpe + o_t * s_kpe_t, m_t, R // 2, BLOCK_R // 2, IS_NEOX)
@@ -500,7 +514,7 @@ def _cache_program(
         b_c = tl.load(p_kvc + o_t[:, None] * s_kvc_t + o_c[None, :], mask=m_c, other=0.0).to(
             tl.float32
         )
-        b_c = quantize_value(b_c, scale, KV_FP8)
+        b_c = quantize_value(b_c, scale, inv, KV_FP8)
         tl.store(
             p_row[:, None] + o_c[None, :],
             cast_rne(b_c, cache_ty, FIX_BF16),
@@ -519,8 +533,8 @@ def _cache_program(
     )
     store_rope_halves(
         p_row + L,
-        cast_rne(quantize_value(k_a, scale, KV_FP8), cache_ty, FIX_BF16),
-        cast_rne(quantize_value(k_b, scale, KV_FP8), cache_ty, FIX_BF16),
+        cast_rne(quantize_value(k_a, scale, inv, KV_FP8), cache_ty, FIX_BF16),
+        cast_rne(quantize_value(k_b, scale, inv, KV_FP8), cache_ty, FIX_BF16),
         valid,
         R // 2,
         BLOCK_R // 2,
