@@ -157,9 +157,10 @@ def quantize_value(x, scale, inv_scale, CODE: tl.constexpr):
 def inverse(scale, CODE: tl.constexpr):
     """The IEEE ``1 / scale`` that :func:`quantize_value` wants where an output of FP8 format
     CODE needs it (one division, once per program), else 1."""
-    if CODE != 0:
-        return tl.math.div_rn(tl.full((), 1.0, tl.float32), scale)
-    return 1.0
+    inv = tl.full((), 1.0, tl.float32)
+    if CODE != 0:  # one return: a block of scales gives a block of inverses
+        inv = tl.math.div_rn(inv, scale)
+    return inv
 
 
 @triton.jit

@@ -1267,7 +1267,8 @@ def test_the_launch_runs_what_the_plan_returned(device, case, kernel_spy):
     assert c["USE_PDL"] is pl.pdl and ("launch_pdl" in kwargs) is pl.pdl
     if interp:
         assert (c["BLOCK_T"], c["BLOCK_K"]) == (16, 32)
-    assert pl.n_programs == -(-N // c["BLOCK_T"]) * -(-V // c["BLOCK_V"]) * H
+    assert pl.n_items == -(-N // c["BLOCK_T"]) * -(-V // c["BLOCK_V"]) * H
+    assert pl.split == c["SPLIT"] and pl.n_programs == pl.n_items * pl.split  # SPLIT: few items
     assert {k: pl.cfg[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K")} == {
         k: c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K")
     }
@@ -1289,13 +1290,17 @@ def test_plan_buckets_and_tiles(device):
     assert [plans[N].bucket for N in plans] == ["small"] * 2 + ["medium"] * 2 + ["large"] * 2
     for N, pl in plans.items():
         assert pl.cfg["BLOCK_V"] >= d["V"] and pl.constexprs["GROUP"] == d["V"]
-        assert (
-            pl.n_programs == -(-N // pl.cfg["BLOCK_T"]) * -(-d["V"] // pl.cfg["BLOCK_V"]) * d["H"]
-        )
-    # the same bucket: the same constexprs (one compiled variant)
-    assert plans[1].constexprs == plans[16].constexprs
-    assert plans[17].constexprs == plans[127].constexprs
-    assert plans[128].constexprs == plans[1000].constexprs
+        assert pl.n_items == -(-N // pl.cfg["BLOCK_T"]) * -(-d["V"] // pl.cfg["BLOCK_V"]) * d["H"]
+        assert pl.n_programs == pl.n_items * pl.constexprs["SPLIT"]
+
+    # the same bucket: the same constexprs (one compiled variant), but for the latent split and
+    # the stages the GPU tables pick for FP8 outputs of few items (configs._FP8_OUT_FEW)
+    def tiles(pl):
+        return {k: v for k, v in pl.constexprs.items() if k not in ("SPLIT", "num_stages")}
+
+    assert tiles(plans[1]) == tiles(plans[16])
+    assert tiles(plans[17]) == tiles(plans[127])
+    assert tiles(plans[128]) == tiles(plans[1000])
 
 
 def test_fuse_token_range_follows_the_measured_crossovers():
