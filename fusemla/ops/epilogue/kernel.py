@@ -13,7 +13,8 @@ of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block).
 ``OUT_FP8`` (an FP8 format code of :data:`fusemla.dtypes.FP8_FORMATS`, 0: not FP8): a V tile
 holds whole groups, so each program quantizes its own: per row and group, ``absmax =
 max(max |acc|, EPS)``, ``s = absmax * (1 / FMAX)``, rounded up to a power of two with
-``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (the IEEE quotient, from one reciprocal per row and group) on the e4m3 grid, ties to even;
+``UE8M0``, codes ``clamp(acc / s, +-FMAX)`` (the IEEE quotient, from one reciprocal per row and
+group) on the e4m3 grid, ties to even;
 :mod:`fusemla.reference.epilogue` states the same rule in PyTorch.
 
 ``SPLIT`` > 1: each item's latent is cut among SPLIT programs. ``VSUB`` > 1 (an FP8 output
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fusemla.ops.triton_helpers import cast_rne, divide_exact, round_to_fp8_grid
+from fusemla.ops.triton_helpers import cast_rne, divide_exact, inverse, round_to_fp8_grid
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def _finish(
         if UE8M0:
             s = _pow2_ceil(s)
         # the IEEE quotient g / s: one division per (row, group), two fma per element
-        inv = tl.math.div_rn(tl.full((BLOCK_T, NG), 1.0, tl.float32), s)
+        inv = inverse(s, OUT_FP8)
         y = divide_exact(
             g,
             tl.broadcast_to(s[:, :, None], (BLOCK_T, NG, GROUP)),
