@@ -259,17 +259,15 @@ def _register_op() -> None:
 # Decode backends the plugin leaves to vLLM in full CUDA-graph modes (FULL, FULL_AND_PIECEWISE,
 # vLLM's default) until fusemla runs correctly through them there; a version's adapter lists the
 # (backend, cache kind) pairs verified on it (VllmAdapter.FULL_GRAPH_VERIFIED). Measured on the
-# H200 (tests/vllm/test_vllm_gpu.py, docs/results.md): on vLLM 0.32.0 with FLASHMLA (bf16 cache)
-# the fused path was bit-identical to vLLM's own in eager mode, but in FULL_AND_PIECEWISE its
-# next-token logprobs deviated by 0.23 relative (noise floor 0.035). On vLLM 0.33.0 (de9c208,
-# the suite's flashmla group) it still does with a bf16 cache (0.21 against 0.035, tokens apart
-# from the third decode step on the suite's staggered schedule, while a uniform batch of 32
-# decoded vLLM's own tokens: benchmarks/flashmla_graphs.py at d1a0cb0), and with an FP8 cache
-# (vLLM's pick on Hopper) it is within the FP8 floor in both modes: 0.33's adapter fuses that.
-# FLASH_ATTN_MLA and TRITON_MLA agree bit for bit in every mode. The likely cause of the bf16
-# deviation, found after that run: fusemla's kernels triggered their PDL dependents at their
-# start, and FlashMLA's dense decode kernel (launched for PDL) reads its query and the cache
-# without waiting; they no longer trigger early (FUSEMLA_PDL_TRIGGER), not yet re-judged.
+# H200 (tests/vllm/test_vllm_gpu.py, docs/results.md): with FLASHMLA and a bf16 cache the fused
+# path was bit-identical to vLLM's own in eager mode, but under FULL_AND_PIECEWISE its next-token
+# logprobs deviated (vLLM 0.32.0 at dfbba2c: 0.23 relative; 0.33.0 at de9c208: 0.21; noise floor
+# 0.035). The cause: fusemla's kernels triggered their PDL dependents at their start, and
+# FlashMLA's dense decode kernel (launched for PDL) reads its query and the cache without
+# waiting. Since 603b9ac they trigger at completion (FUSEMLA_PDL_TRIGGER), and on 0.33.0 the
+# forced fused run is bit-identical under full graphs too (4f5ec9c); with an FP8 cache it was
+# within the FP8 floor in both modes (de9c208). 0.33's adapter lists both pairs; 0.32 has not
+# been re-judged since the fix and keeps the fallback.
 UNVERIFIED_FULL_GRAPH_BACKENDS = {
     "FLASHMLA": "deviated from vLLM's own path under full CUDA graphs (H200)",
 }

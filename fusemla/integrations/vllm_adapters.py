@@ -477,12 +477,14 @@ class Vllm032(VllmAdapter):
 
 
 #: (decode backend, cache kind) pairs of the plugin's unverified full-graph table that vLLM
-#: 0.33's GPU suite judged right fused under full CUDA graphs: FLASHMLA with an FP8 cache,
-#: vLLM's own pick for FP8 caches on Hopper (tests/vllm/test_vllm_gpu.py, flashmla group, at
-#: de9c208 on the H200: within the FP8 noise floor of vLLM's own FLASHMLA path eagerly and
-#: under FULL_AND_PIECEWISE, as far from it under full graphs as eagerly). FLASHMLA with a
-#: bf16 cache stays left to vLLM there: the same run measured it 6x the bf16 floor.
-_VERIFIED_033 = frozenset({("FLASHMLA", "fp8")})
+#: 0.33's GPU suite judged right fused under full CUDA graphs (tests/vllm/test_vllm_gpu.py,
+#: flashmla group, on the H200). FLASHMLA with an FP8 cache, vLLM's own pick for FP8 caches on
+#: Hopper (de9c208: within the FP8 noise floor of vLLM's own FLASHMLA path eagerly and under
+#: FULL_AND_PIECEWISE, as far from it under full graphs as eagerly). FLASHMLA with a bf16 cache
+#: since fusemla's kernels stopped triggering their PDL dependents early (603b9ac; at 4f5ec9c
+#: the forced fused run under FULL_AND_PIECEWISE gave vLLM's own tokens, logprobs and cache rows
+#: bit for bit, where de9c208's, with the early trigger, was 6x the bf16 floor).
+_VERIFIED_033 = frozenset({("FLASHMLA", "fp8"), ("FLASHMLA", "bf16")})
 
 
 class Vllm033(VllmAdapter):

@@ -656,9 +656,9 @@ def _flashmla_wrapper(kv_cache_dtype: str):
 @pytest.mark.parametrize("cls", [ad.Vllm032, ad.Vllm033])
 def test_flashmla_under_full_graphs_per_version_and_cache(monkeypatch, cls, cache, full):
     """FLASHMLA under full CUDA graphs is left to vLLM unless the version's adapter lists the
-    (backend, cache kind) pair verified: 0.33 fuses it with an FP8 cache (the GPU suite's
-    judge at de9c208), keeps vLLM's path with a bf16 cache; 0.32 keeps vLLM's for both. Eager
-    (no full graphs) and forced runs are fused on both."""
+    (backend, cache kind) pair verified: 0.33 fuses it with both caches (the GPU suite's judge:
+    FP8 at de9c208, bf16 at 4f5ec9c once the PDL trigger moved to completion); 0.32 keeps
+    vLLM's path for both. Eager (no full graphs) and forced runs are fused on both."""
     from fusemla.integrations.vllm import FORCE_ENV, UNVERIFIED_FULL_GRAPH_BACKENDS
 
     a = cls()
@@ -667,12 +667,12 @@ def test_flashmla_under_full_graphs_per_version_and_cache(monkeypatch, cls, cach
     w = _flashmla_wrapper(cache)
     why = a.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, set(), FORCE_ENV)
     fp8 = cache.startswith("fp8")
-    if full and not (cls is ad.Vllm033 and fp8):
+    if full and cls is ad.Vllm032:
         kind = "fp8" if fp8 else "bf16"
         assert why is not None and f"FLASHMLA decode backend with a {kind} cache" in why, why
         assert FORCE_ENV in why
     else:
         assert why is None, why
     assert a.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, {"FLASHMLA"}, FORCE_ENV) is None
-    assert ("FLASHMLA", "fp8") in ad.Vllm033.FULL_GRAPH_VERIFIED
+    assert ad.Vllm033.FULL_GRAPH_VERIFIED == {("FLASHMLA", "fp8"), ("FLASHMLA", "bf16")}
     assert not ad.Vllm032.FULL_GRAPH_VERIFIED
