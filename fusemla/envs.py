@@ -136,7 +136,8 @@ VARIABLES: dict[str, EnvVar] = {
             "default: only safe when that next kernel waits for its producer (griddepcontrol."
             "wait) before it reads; vLLM's FlashMLA dense decode kernel (SM90) is launched for "
             "PDL and does not, so it read fusemla's query and cache rows before they were "
-            "written (H200, vLLM 0.33, full CUDA graphs).",
+            "written (H200, vLLM 0.33, full CUDA graphs); while it is on, the vLLM plugin "
+            "leaves FLASHMLA layers to vLLM.",
         ),
         EnvVar(
             "FUSEMLA_MXFP4_PATH",

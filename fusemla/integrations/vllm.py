@@ -64,7 +64,7 @@ from collections import Counter
 import torch
 
 from fusemla import envs
-from fusemla.config import fused_decode, fused_prefill
+from fusemla.config import PDL_TRIGGER_ENV, fused_decode, fused_prefill, pdl_trigger
 from fusemla.contracts.prologue import tensor_key
 from fusemla.integrations.vllm_adapters import ADAPTERS, VllmAdapter, adapter_for
 
@@ -272,6 +272,15 @@ UNVERIFIED_FULL_GRAPH_BACKENDS = {
     "FLASHMLA": "deviated from vLLM's own path under full CUDA graphs (H200)",
 }
 FORCE_ENV = "FUSEMLA_VLLM_FORCE_BACKENDS"
+
+# Decode backends whose kernel, launched for PDL, reads what fusemla's prologue wrote (the decode
+# query, the cache rows) without waiting for it (no griddepcontrol.wait): with the early PDL
+# trigger (FUSEMLA_PDL_TRIGGER on) it can start before fusemla's kernel has written them, in any
+# graph mode (a host gap between the launches only hides it). The plugin leaves such layers to
+# vLLM while the trigger is on, unless FUSEMLA_VLLM_FORCE_BACKENDS names the backend.
+PDL_NO_WAIT_BACKENDS = {
+    "FLASHMLA": "its SM90 decode kernel reads the query and the cache without waiting",
+}
 
 
 def _forced_backends() -> set[str]:
@@ -710,9 +719,17 @@ def _prologue(*args, **kwargs):
 
 def _structural_reason(w) -> str | None:
     """Why a layer cannot use the fused op at all (None: it can); decided at build time."""
-    return _adapter.structural_reason(
-        w, UNVERIFIED_FULL_GRAPH_BACKENDS, _forced_backends(), FORCE_ENV
-    )
+    forced = _forced_backends()
+    why = _adapter.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, forced, FORCE_ENV)
+    if why is None and pdl_trigger():
+        backend = w.mla_attn.attn_backend.get_name()
+        if backend in PDL_NO_WAIT_BACKENDS and backend not in forced:
+            return (
+                f"{PDL_TRIGGER_ENV} is on and the {backend} backend "
+                f"{PDL_NO_WAIT_BACKENDS[backend]}: it could read the query before fusemla has "
+                f"written it (unset {PDL_TRIGGER_ENV} to run it fused)"
+            )
+    return why
 
 
 def _mark_compile_cache(

@@ -676,3 +676,30 @@ def test_flashmla_under_full_graphs_per_version_and_cache(monkeypatch, cls, cach
     assert a.structural_reason(w, UNVERIFIED_FULL_GRAPH_BACKENDS, {"FLASHMLA"}, FORCE_ENV) is None
     assert ad.Vllm033.FULL_GRAPH_VERIFIED == {("FLASHMLA", "fp8"), ("FLASHMLA", "bf16")}
     assert not ad.Vllm032.FULL_GRAPH_VERIFIED
+
+
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
+def test_flashmla_left_to_vllm_while_the_early_pdl_trigger_is_on(monkeypatch, cache, full):
+    """FUSEMLA_PDL_TRIGGER on lets the kernel after fusemla's start before fusemla's has
+    written its query; FLASHMLA's decode kernel reads without waiting, so its layers go to vLLM
+    in every graph mode while the trigger is on (the reason names the variable), unless
+    FUSEMLA_VLLM_FORCE_BACKENDS names FLASHMLA. Other backends, and the trigger off, are fused."""
+    from fusemla.integrations import vllm as plugin
+
+    a = ad.Vllm033()
+    monkeypatch.setattr(a, "full_cudagraphs", lambda: full)
+    monkeypatch.setattr(a, "kv_transfer_configured", lambda: False)
+    monkeypatch.setattr(plugin, "_adapter", a)
+    w = _flashmla_wrapper(cache)
+    monkeypatch.delenv("FUSEMLA_PDL_TRIGGER", raising=False)
+    monkeypatch.delenv(plugin.FORCE_ENV, raising=False)
+    assert plugin._structural_reason(w) is None
+    monkeypatch.setenv("FUSEMLA_PDL_TRIGGER", "1")
+    why = plugin._structural_reason(w)
+    assert why is not None and "FUSEMLA_PDL_TRIGGER is on" in why and "FLASHMLA" in why, why
+    other = _flashmla_wrapper(cache)
+    other.mla_attn.attn_backend = types.SimpleNamespace(get_name=lambda: "FLASH_ATTN_MLA")
+    assert plugin._structural_reason(other) is None
+    monkeypatch.setenv(plugin.FORCE_ENV, "FLASHMLA")
+    assert plugin._structural_reason(w) is None
