@@ -57,3 +57,38 @@ def same_device(named: Sequence[tuple[str, torch.Tensor]], device: torch.device,
             raise FuseMLATypeError(
                 f"{name}: expected device {device} (like {like}), got {describe(x)}"
             )
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int] | None:
+    """The address range ``[first, last + 1)`` of ``x``'s elements (None: no elements)."""
+    if x.numel() == 0:
+        return None
+    extent = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    lo = x.data_ptr()
+    return lo, lo + (extent + 1) * x.element_size()
+
+
+def no_overlap(
+    written: Sequence[tuple[str, torch.Tensor]], read: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """No tensor the kernel writes shares memory with another one it writes or reads: one
+    program's stores would land in what another still reads (a corrupted result, not an
+    error). Tensors on one storage (views of one buffer) are compared by address range, so two
+    views that interleave without sharing an element (even and odd columns) are refused too;
+    tensors on different storages are taken as apart (a storage is one allocation). Skipped
+    while torch.compile traces (fake tensors have no addresses): the op's eager call checks."""
+    if torch.compiler.is_compiling():
+        return
+    named = (*written, *read)
+    bases = [x.untyped_storage().data_ptr() for _, x in named]
+    for i in range(len(written)):
+        for j in range(i + 1, len(named)):
+            if bases[i] != bases[j]:
+                continue
+            (name, x), (other, y) = named[i], named[j]
+            a, b = _byte_span(x), _byte_span(y)
+            if a is not None and b is not None and a[0] < b[1] and b[0] < a[1]:
+                raise FuseMLAValueError(
+                    f"{name}: expected memory apart from {other}'s, got {describe(x)} over "
+                    f"bytes {a[0]:#x}-{a[1]:#x} of one buffer, {other} over {b[0]:#x}-{b[1]:#x}"
+                )

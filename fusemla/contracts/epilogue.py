@@ -21,6 +21,7 @@ import torch
 from fusemla.contracts.checks import dtype as _dtype
 from fusemla.contracts.checks import flag as _flag
 from fusemla.contracts.checks import last_contiguous as _last_contiguous
+from fusemla.contracts.checks import no_overlap as _no_overlap
 from fusemla.contracts.checks import same_device as _same_device
 from fusemla.contracts.checks import shape as _shape
 from fusemla.contracts.checks import tensor as _tensor
@@ -330,6 +331,7 @@ def prepare_step(
         )
     written = [("out", out)] + ([("scale_out", scale_out)] if scale_out is not None else [])
     _same_device(written, device, "attn_out")
+    _no_overlap(written, [("attn_out", attn_out)])  # (W_UV: a layer's own buffer, not compared)
     return EpilogueArgs(spec=spec, attn_out=attn_out, out=out, scale_out=scale_out)
 
 

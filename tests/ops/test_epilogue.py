@@ -1143,6 +1143,42 @@ def test_bad_argument_raises_before_writing(device, case):
             assert torch.equal(b.isnan(), b0.isnan()) and bool(b.isnan().all()), name
 
 
+def test_outputs_over_the_input_or_each_other_are_refused(device):
+    """An output that shares memory with attn_out or with the other output would be written
+    while the kernel still reads (or writes) there: refused, naming both, before any byte
+    changes; by the kernel and the reference alike. Views of one buffer are compared by address
+    range, so interleaved rows are refused too; disjoint slices of one buffer are fine."""
+    g = _gen("overlap")
+    N, H, L, V = 3, 2, 64, 64
+    w = _plain_w(H, L, V, g, BF16, device)
+    for fn in (fusemla.mla_epilogue, fusemla.mla_epilogue_ref):
+        # o_proj's input cut from attn_out's own storage
+        x = _act(N, H, L, g, BF16, device)
+        x0 = _bytes(x).clone()
+        with pytest.raises(FuseMLAValueError, match=r"out: expected memory apart from attn_out"):
+            fn(x, w, out=x.view(N, H * L)[:, : H * V])
+        assert torch.equal(_bytes(x), x0)
+        # FP8 scales laid over the codes' bytes
+        codes = poisoned((N, H * V), FP8, device)
+        c0 = _bytes(codes).clone()
+        over = codes.view(torch.uint8)[:, : 4 * (H * V // 32)].view(torch.float32)
+        with pytest.raises(FuseMLAValueError, match=r"out: .*apart from scale_out"):
+            fn(x, w, out=codes, out_dtype=FP8, group_size=32, scale_out=over)
+        assert torch.equal(_bytes(codes), c0)
+        # interleaved rows of one buffer: no element shared, the address ranges are
+        buf = torch.randn(2 * N, H * L, generator=g).to(device, BF16)
+        b0 = _bytes(buf).clone()
+        with pytest.raises(FuseMLAValueError, match=r"out: expected memory apart from attn_out"):
+            fn(buf[0::2].unflatten(1, (H, L)), w, out=buf[1::2])
+        assert torch.equal(_bytes(buf), b0)
+        # disjoint halves of one buffer: computed as from separate tensors
+        x2 = buf[:N].unflatten(1, (H, L))
+        want = fn(x2.clone(), w)
+        got = fn(x2, w, out=buf[N:])
+        assert got.data_ptr() == buf[N:].data_ptr()
+        assert torch.equal(_bytes(got), _bytes(want)) and torch.equal(_bytes(buf[:N]), b0[:N])
+
+
 def test_spec_and_step_errors(device):
     """The per-layer checks in ``epilogue_spec``, the step's against its spec."""
     d = dict(H=2, L=64, V=64)

@@ -49,7 +49,8 @@ def mla_epilogue(
       row-major, or column-major (stride ``(1, N)``) with ``scale_col_major``.
 
     Raises :class:`fusemla.errors.FuseMLAError` subclasses naming the argument, before anything
-    is written. CUDA-graph and ``torch.compile(fullgraph=True)`` safe.
+    is written (also for an ``out`` or ``scale_out`` that shares memory with ``attn_out`` or
+    with the other). CUDA-graph and ``torch.compile(fullgraph=True)`` safe.
     """
     return _execute(
         prepare(
