@@ -74,10 +74,10 @@ def no_overlap(
     """No tensor the kernel writes shares memory with another one it writes or reads: one
     program's stores would land in what another still reads (a corrupted result, not an
     error). Tensors on one storage (views of one buffer) are compared by address range, so two
-    views that interleave without sharing an element (even and odd columns) are refused too;
+    views that interleave without sharing an element (even and odd rows) are refused too;
     tensors on different storages are taken as apart (a storage is one allocation). Skipped
     while torch.compile traces (fake tensors have no addresses): the op's eager call checks."""
-    if torch.compiler.is_compiling():
+    if not written or torch.compiler.is_compiling():
         return
     named = (*written, *read)
     bases = [x.untyped_storage().data_ptr() for _, x in named]

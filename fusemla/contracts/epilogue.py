@@ -314,6 +314,7 @@ def prepare_step(
         )
     HV = H * spec.V
     out_dtype = spec.out_dtype if spec.fp8_out else attn_out.dtype
+    given = (out is not None, scale_out is not None)  # buffers made here overlap nothing
     if out is None:
         out = attn_out.new_empty((N, HV), dtype=out_dtype)
     else:
@@ -331,7 +332,8 @@ def prepare_step(
         )
     written = [("out", out)] + ([("scale_out", scale_out)] if scale_out is not None else [])
     _same_device(written, device, "attn_out")
-    _no_overlap(written, [("attn_out", attn_out)])  # (W_UV: a layer's own buffer, not compared)
+    # (W_UV: a layer's own buffer, not compared)
+    _no_overlap([w for w, g in zip(written, given) if g], [("attn_out", attn_out)])
     return EpilogueArgs(spec=spec, attn_out=attn_out, out=out, scale_out=scale_out)
 
 

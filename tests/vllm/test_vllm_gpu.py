@@ -721,7 +721,6 @@ def test_flashmla_bf16_under_full_graphs(gpu_runs):
         _record(report, f"{HALF_MODEL}/FLASHMLA/{mode}/default", dev, floor, {"stats": stats(on)})
         for run, d in ((on, dev), (forced, bad)):
             assert run["backends"][0]["backend"] == "FLASHMLA"
-            assert stats(run)["layers_fused"] == run["backends"][0]["layers"], stats(run)
             assert run["tokens"] == off["tokens"]
             assert (d["logprob"], d["cache"]) == (0.0, 0.0) and not d["problems"], d
         check_fused(on, off)
