@@ -939,9 +939,9 @@ def compare(runs: list) -> str:
             cells.setdefault(key(r, c), {}).setdefault(r["variant"], []).append(c)
     lines = [
         "| shard | B | ctx | kv | sampling | variant | backend, layers fused | same tokens | "
-        "TPOT by difference | core decode step | GPU span per step | GPU busy per step | "
-        "KV-cache tokens | peak activation GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "TPOT by difference | core decode step | per repeat, on - off | GPU span per step | "
+        "GPU busy per step | KV-cache tokens | peak activation GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     eng = {id(c): r for r in runs for c in r["cells"]}
 
@@ -957,6 +957,18 @@ def compare(runs: list) -> str:
 
     def pct(on, off):
         return "" if on is None or off in (None, 0) else f"{100 * (on - off) / off:+.1f} %"
+
+    def paired(off: dict, on: dict) -> str:
+        """Repeat i of one engine against repeat i of the other: with seeded sampling both
+        decode the same tokens in repeat i (the same-tokens column says how far), so their MoE
+        routing is the same there, while it moves from one repeat to the next; the spread
+        across repeats then says nothing about on against off, the paired difference does."""
+        a = [(r or {}).get("median_ms") for r in off.get("core_step") or []]
+        b = [(r or {}).get("median_ms") for r in on.get("core_step") or []]
+        if not a or len(a) != len(b) or None in a or None in b:
+            return ""
+        d = [y - x for x, y in zip(a, b)]
+        return f"{min(d):+.3f} to {max(d):+.3f} ms ({sum(x < 0 for x in d)}/{len(d)} faster)"
 
     for k, by in sorted(
         cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], str(kv[0][3]), kv[0][4])
@@ -981,6 +993,7 @@ def compare(runs: list) -> str:
                 f"{_ms(off.get('core_step_median_ms'))} -> "
                 f"{_ms(on.get('core_step_median_ms'))} "
                 f"({pct(on.get('core_step_median_ms'), off.get('core_step_median_ms'))}) | "
+                f"{paired(off, on)} | "
                 f"{po.get('span_us_per_step', '')} -> {pn.get('span_us_per_step', '')} "
                 f"({pct(pn.get('span_us_per_step'), po.get('span_us_per_step'))}) | "
                 f"{po.get('busy_us_per_step', '')} -> {pn.get('busy_us_per_step', '')} "

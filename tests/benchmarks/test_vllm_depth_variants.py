@@ -60,3 +60,17 @@ def test_compare_puts_every_variant_against_off():
     epi, on = rows  # sorted by variant name
     assert "| epi |" in epi and "-20.0 %" in epi and "1/2" in epi
     assert "| on |" in on and "-10.0 %" in on and "2/2" in on
+
+
+def test_compare_pairs_the_repeats():
+    """Repeat i against repeat i: the repeats' medians move together (the tokens, hence the
+    MoE routing, change from repeat to repeat), so the ranges overlap while every pair says
+    which engine was faster."""
+    off, on = _run("off", 30.4, [1, 2]), _run("on", 30.2, [1, 2])
+    off["cells"][0]["core_step"] = [{"median_ms": x} for x in (30.0, 31.0, 29.5)]
+    on["cells"][0]["core_step"] = [{"median_ms": x} for x in (29.8, 30.7, 29.6)]
+    (row,) = [line for line in compare([off, on]).splitlines() if line.startswith("| tp8")]
+    assert "-0.300 to +0.100 ms (2/3 faster)" in row
+    del on["cells"][0]["core_step"][2]  # repeats that do not pair: no column, not a guess
+    (row,) = [line for line in compare([off, on]).splitlines() if line.startswith("| tp8")]
+    assert "faster)" not in row
