@@ -466,6 +466,26 @@ def cells_of(args) -> list:
     return out
 
 
+def cell_fits(now: float, stop_at: float, warm_s: float, ratio: float | None) -> bool:
+    """Whether a cell may start at ``now`` and end by ``stop_at`` (0: no limit): its cost is
+    estimated as its warm-up call's time ``warm_s`` times the largest cell-to-warm-up ratio of
+    the cells this engine has run (``ratio``; None before the first, which always runs)."""
+    if not stop_at or ratio is None:
+        return True
+    return now + ratio * warm_s <= stop_at
+
+
+def completed_cells(res: dict) -> list:
+    """The ``BxCONTEXT`` cells an engine's JSON holds, in its order, once each (a cell has one
+    entry per sampling mode): the cells the pair's next engine runs after a deadline."""
+    out: list = []
+    for c in res.get("cells", []):
+        spec = f"{c['batch']}x{c['context']}"
+        if spec not in out:
+            out.append(spec)
+    return out
+
+
 def engine_main(args) -> None:
     import torch
     from vllm import LLM, SamplingParams
@@ -539,10 +559,22 @@ def engine_main(args) -> None:
         return dt, [list(o.outputs[0].token_ids) for o in outs]
 
     grid = cells_of(args)
-    # warm-up: one short call per cell (first-call allocations, JIT of sampling kernels)
+    # warm-up: one short call per cell (first-call allocations, JIT of sampling kernels); its
+    # time sizes the cell against --stop-at
+    warm = {}
     for b, ctx in grid:
-        timed(prompts_for(b, ctx, vocab, "warm"), params("greedy", args.short, b))
+        warm[(b, ctx)] = timed(prompts_for(b, ctx, vocab, "warm"), params("greedy", args.short, b))[
+            0
+        ]
+    ratio = None  # the largest (cell time / its warm-up time) seen
+    res["skipped_cells"] = []
     for b, ctx in grid:
+        if not cell_fits(time.time(), args.stop_at, warm[(b, ctx)], ratio):
+            est = round(ratio * warm[(b, ctx)])
+            res["skipped_cells"].append({"cell": f"{b}x{ctx}", "estimated_s": est})
+            print(f"[depth] {args.variant} {b}x{ctx} skipped: ~{est} s would end past --stop-at")
+            continue
+        t_cell = time.time()
         for mode in args.sampling:
             llm.collective_rpc(_rpc_dispatch, args=(True,))
             p0 = llm.collective_rpc(_rpc_plugin)[0]
@@ -614,6 +646,7 @@ def engine_main(args) -> None:
             res["cells"].append(cell)
             if args.out:  # written after every cell: a lease may end mid-run
                 Path(args.out).write_text(json.dumps(res, indent=1))
+        ratio = max(ratio or 0.0, (time.time() - t_cell) / max(warm[(b, ctx)], 1e-3))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
@@ -735,7 +768,12 @@ def pair_main(args) -> None:
     order = args.order.split(",")
     for variant in order:  # a typo raises before any engine starts
         variant_env(variant)
+    t_pair = time.time()
+    cells = list(getattr(args, "cells", None) or [])
     for i, variant in enumerate(order):
+        # --deadline-s: engine i must end by its share of it; the engines after the first run
+        # the cells the first one ran (a pair, not two halves)
+        stop_at = t_pair + args.deadline_s * (i + 1) / len(order) if args.deadline_s else 0
         env = engine_env(
             variant,
             cache_root,
@@ -758,7 +796,7 @@ def pair_main(args) -> None:
             *map(str, args.batches),
             "--context",
             str(args.context),
-            *(["--cells", *args.cells] if getattr(args, "cells", None) else []),
+            *(["--cells", *cells] if cells else []),
             "--repeats",
             str(args.repeats),
             "--short",
@@ -773,8 +811,12 @@ def pair_main(args) -> None:
             args.kv_cache_dtype,
             "--max-model-len",
             str(args.max_model_len),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
             "--out",
             str(out_dir / f"{tag}.json"),
+            "--stop-at",
+            str(stop_at),
         ]
         print(f"[depth] starting {tag}: {' '.join(cmd[2:])}", flush=True)
         t0 = time.time()
@@ -787,6 +829,11 @@ def pair_main(args) -> None:
             res["memory"] = memory_of_log((out_dir / f"{tag}.log").read_text(errors="replace"))
             js.write_text(json.dumps(res, indent=1))
             print(f"[depth] {tag} memory: {json.dumps(res['memory'])}", flush=True)
+            if i == 0 and args.deadline_s:
+                cells = completed_cells(res)
+                print(f"[depth] the next engines run the cells {tag} ran: {cells}", flush=True)
+                if not cells:
+                    break
         os.system(f"grep '^\\[depth\\]' {out_dir / f'{tag}.log'} | tail -40")
 
 
@@ -1030,7 +1077,9 @@ def smoke() -> None:
         profile_steps=3,
         kv_cache_dtype="auto",
         max_model_len=256,
+        max_num_seqs=0,
         cache_root=None,
+        deadline_s=0.0,
     )
     pair_main(args)
     runs = load_runs(sorted(d.glob("*.json")))
@@ -1101,12 +1150,26 @@ def main() -> None:
             e.add_argument("--model", required=True)
             e.add_argument("--variant", default="on")
             e.add_argument("--out", default=None)
+            e.add_argument(
+                "--stop-at",
+                type=float,
+                default=0.0,
+                help="epoch seconds: start no cell estimated to end later (0: no limit)",
+            )
         else:
             e.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
             e.add_argument("--order", default="off,on")
             e.add_argument("--out-dir", required=True)
             e.add_argument("--tag", default="run")
             e.add_argument("--cache-root", default=None)
+            e.add_argument(
+                "--deadline-s",
+                type=float,
+                default=0.0,
+                help="the whole pair within this many seconds (a device lease's rest): each "
+                "engine gets its share, the first skips the cells that would not fit it, the "
+                "others run the cells the first ran (0: no limit)",
+            )
     lat = sub.add_parser("latency", help="vLLM's own `vllm bench latency`, off and on")
     lat.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
     lat.add_argument("--batches", nargs="+", type=int, default=[1, 32])
