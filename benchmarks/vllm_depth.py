@@ -570,9 +570,12 @@ def engine_main(args) -> None:
     res["skipped_cells"] = []
     for b, ctx in grid:
         if not cell_fits(time.time(), args.stop_at, warm[(b, ctx)], ratio):
-            est = round(ratio * warm[(b, ctx)])
+            est = round(ratio * warm[(b, ctx)], 1)
             res["skipped_cells"].append({"cell": f"{b}x{ctx}", "estimated_s": est})
-            print(f"[depth] {args.variant} {b}x{ctx} skipped: ~{est} s would end past --stop-at")
+            print(
+                f"[depth] {args.variant} {b}x{ctx} skipped: ~{est} s would end past --stop-at",
+                flush=True,
+            )
             continue
         t_cell = time.time()
         for mode in args.sampling:
