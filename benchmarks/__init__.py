@@ -12,8 +12,8 @@ Layout:
 
 - entries (registry.py): ``bench_prologue`` (the kernel against its peers; its parts:
   ``bench_core``, ``bench_sections``, ``peers``, ``prologue_sweep``), ``bench_mla_layer``, the
-  probes in ``probes/`` (``layout_probe``, ``stage_probe``, ``ncu_prologue``), ``aiter_peer``,
-  ``targets``, the vLLM benchmarks (``bench_vllm``, ``vllm_depth``, ``flashmla_graphs``) and
+  probes in ``probes/`` (``layout_probe``, ``stage_probe``, ``ncu_prologue``, ``epilogue_stages``),
+  ``aiter_peer``, ``targets``, the vLLM benchmarks (``bench_vllm``, ``vllm_depth``, ``flashmla_graphs``) and
   ``summarize``;
 - shared: ``common`` (JSON header, timing, the smoke's interpreter, the exit verdict);
 - ``results/``: the committed runs (JSON and logs, the commit in each).

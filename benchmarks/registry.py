@@ -122,6 +122,14 @@ BENCHMARKS = (
         results="h200_stage_probe_*.json",
     ),
     Benchmark(
+        "epilogue_stages",
+        "probe",
+        "the epilogue kernel beside variants that leave stages out (the split's meeting and "
+        "finishing, everything but the launch), other SPLITs: where its small-batch time goes",
+        module="benchmarks.probes.epilogue_stages",
+        results="h200_epilogue_stages_*.json",
+    ),
+    Benchmark(
         "ncu_prologue",
         "probe",
         "each variant launched once in a cudaProfilerStart/Stop range for Nsight Compute "

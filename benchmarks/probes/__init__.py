@@ -1,4 +1,5 @@
-"""One-off questions about the prologue kernel, asked with bench_prologue's harness (the same
-checks before timing): ``layout_probe`` (weight layout), ``stage_probe`` (parts of the grid),
-``ncu_prologue`` (launches for Nsight Compute). Each is an entry of
+"""One-off questions about a kernel, asked with its benchmark's harness (the same checks before
+timing): of the prologue, ``layout_probe`` (weight layout), ``stage_probe`` (parts of the grid),
+``ncu_prologue`` (launches for Nsight Compute); of the epilogue, ``epilogue_stages`` (stages
+left out, other SPLITs). Each is an entry of
 :mod:`benchmarks.registry` with its own ``--smoke``."""

@@ -66,6 +66,25 @@ def _block_scales(p_ws, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK: tl.constexpr, W_BN: 
 
 
 @triton.jit
+def program_item(
+    pid, N, V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr
+):
+    """Program ``pid``'s (token tile, V tile, head) item, token tile fastest, and its share
+    ``i_s`` of the latent: ``(i_s, i_t, i_v, i_h, n_t, o_t, m_t, o_t64, o_v, m_v)``, the
+    tiles' token rows and V columns with their masks (rows also as int64)."""
+    NV: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
+    i_s = pid % SPLIT
+    item = pid // SPLIT
+    n_t = tl.cdiv(N, BLOCK_T)
+    i_t = item % n_t
+    i_v = item // n_t % NV
+    i_h = (item // n_t // NV).to(tl.int64)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    return i_s, i_t, i_v, i_h, n_t, o_t, o_t < N, o_t.to(tl.int64), o_v, o_v < V
+
+
+@triton.jit
 def _pow2_ceil(s):
     """``2**ceil(log2 s)`` for positive normal fp32 ``s``, exactly (from the bits)."""
     bits = s.to(tl.int32, bitcast=True)
@@ -189,18 +208,9 @@ def mla_epilogue_kernel(
     NK: tl.constexpr = (L + BLOCK_K - 1) // BLOCK_K
     NKS: tl.constexpr = NK // SPLIT  # latent chunks per split (the plan makes SPLIT divide NK)
     pid = tl.program_id(0)
-    i_s = pid % SPLIT  # this program's share of the latent
-    item = pid // SPLIT
-    n_t = tl.cdiv(N, BLOCK_T)
-    i_t = item % n_t
-    i_v = item // n_t % NV
-    i_h = (item // n_t // NV).to(tl.int64)
-
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_t < N
-    o_t64 = o_t.to(tl.int64)
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    m_v = o_v < V
+    i_s, i_t, i_v, i_h, n_t, o_t, m_t, o_t64, o_v, m_v = program_item(
+        pid, N, V, BLOCK_T, BLOCK_V, SPLIT
+    )
     o_k = tl.arange(0, BLOCK_K)
     p_wh = p_w + i_h * s_w_h
     p_xh = p_x + i_h * s_x_h

@@ -154,20 +154,26 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
         return bufs[-1]
 
 
+def weight_operands(w, granularity: str) -> tuple:
+    """W_UV as the kernel takes it: (codes or plain weights, the scales' tensor, their
+    (head, latent block, V block) strides); plain weights pass themselves as the never-read
+    scales, a per-tensor scale a head stride of 0."""
+    w_data, w_scale, _ = weight_parts(w)
+    if w_scale is None:
+        return w_data, w_data, (0, 0, 0)
+    if granularity == "block":
+        return w_data, w_scale, tuple(w_scale.stride())
+    return w_data, w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0, 0, 0)
+
+
 def launch(args: EpilogueArgs, cfg: dict | None = None) -> None:
     """Launch the kernel on validated arguments: the pointers and strides of ``args``, and
     everything else as :func:`plan` decides."""
     if args.N == 0:
         return
     pl = plan(args, platform.detect(args.attn_out.device), cfg)
-    w_data, w_scale, _ = weight_parts(args.spec.w_uv)
+    w_data, p_ws, s_ws = weight_operands(args.spec.w_uv, pl.granularity)
     check_fp8_formats([("out", args.out), ("w_uv.data", w_data)], pl.backend)
-    if w_scale is None:  # plain weights: never read
-        p_ws, s_ws = w_data, (0, 0, 0)
-    elif pl.granularity == "block":
-        p_ws, s_ws = w_scale, tuple(w_scale.stride())
-    else:
-        p_ws, s_ws = w_scale, (w_scale.stride(0) if w_scale.numel() > 1 else 0, 0, 0)
     x, o = args.attn_out, args.out
     so = args.scale_out
     p_os, s_os = (so, tuple(so.stride())) if so is not None else (o, (0, 0))
