@@ -563,9 +563,8 @@ def engine_main(args) -> None:
     # time sizes the cell against --stop-at
     warm = {}
     for b, ctx in grid:
-        warm[(b, ctx)] = timed(prompts_for(b, ctx, vocab, "warm"), params("greedy", args.short, b))[
-            0
-        ]
+        dt, _ = timed(prompts_for(b, ctx, vocab, "warm"), params("greedy", args.short, b))
+        warm[(b, ctx)] = dt
     ratio = None  # the largest (cell time / its warm-up time) seen
     res["skipped_cells"] = []
     for b, ctx in grid:

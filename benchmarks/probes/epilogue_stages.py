@@ -49,7 +49,7 @@ from benchmarks.bench_epilogue import (
 )
 from benchmarks.common import CheckFailed, ensure_interpreter, parser, run_header, verdict
 from fusemla.contracts.epilogue import prepare
-from fusemla.ops.epilogue.kernel import _block_scales, _w_chunk, _x_chunk, program_item
+from fusemla.ops.epilogue.kernel import block_scales, program_item, w_chunk, x_chunk
 from fusemla.ops.epilogue.launch import plan, weight_operands
 
 FP8 = torch.float8_e4m3fn
@@ -102,10 +102,10 @@ def _body_kernel(
     for i_k in range(i_s * NKS, (i_s + 1) * NKS):
         o_kk = i_k * BLOCK_K + o_k
         m_k = o_kk < L
-        b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
-        b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
+        b_w = w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
+        b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
         if W_FMT == 2:
-            b_s = _block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
+            b_s = block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
             acc += tl.dot(b_x, b_w) * b_s[None, :]
         else:
             acc = tl.dot(b_x, b_w, acc=acc)

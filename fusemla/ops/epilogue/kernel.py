@@ -40,7 +40,7 @@ from fusemla.ops.triton_helpers import cast_rne, divide_exact, inverse, round_to
 
 
 @triton.jit
-def _w_chunk(p_w, s_w_k, s_w_v, o_k, m_k, o_v, m_v, DOT_TY: tl.constexpr):
+def w_chunk(p_w, s_w_k, s_w_v, o_k, m_k, o_v, m_v, DOT_TY: tl.constexpr):
     """The [BLOCK_K, BLOCK_V] weight chunk of one head, in the dot's operand type."""
     b_w = tl.load(
         p_w + o_k[:, None] * s_w_k + o_v[None, :] * s_w_v,
@@ -51,7 +51,7 @@ def _w_chunk(p_w, s_w_k, s_w_v, o_k, m_k, o_v, m_v, DOT_TY: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
+def x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
     """The [BLOCK_T, BLOCK_K] activation chunk of one head."""
     b_x = tl.load(
         p_x + o_t64[:, None] * s_x_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
@@ -60,7 +60,7 @@ def _x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(p_ws, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK: tl.constexpr, W_BN: tl.constexpr):
+def block_scales(p_ws, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK: tl.constexpr, W_BN: tl.constexpr):
     """Each column's block scale for the chunk starting at latent row ``k0``: [BLOCK_V] fp32."""
     return tl.load(p_ws + (k0 // W_BK) * s_ws_k + (o_v // W_BN) * s_ws_v, mask=m_v, other=0.0)
 
@@ -219,20 +219,20 @@ def mla_epilogue_kernel(
     # the first chunk peeled: its weights are read before waiting on the kernel before (PDL)
     k0 = i_s * NKS * BLOCK_K
     o_k0 = k0 + o_k
-    b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_k0, o_k0 < L, o_v, m_v, DOT_TY)
+    b_w = w_chunk(p_wh, s_w_k, s_w_v, o_k0, o_k0 < L, o_v, m_v, DOT_TY)
     if USE_PDL:
         gdc_wait()
-    b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY)
+    b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY)
     acc = tl.dot(b_x, b_w)
     if W_FMT == 2:
-        acc = acc * _block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
+        acc = acc * block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
     for i_k in range(i_s * NKS + 1, (i_s + 1) * NKS):
         o_kk = i_k * BLOCK_K + o_k
         m_k = o_kk < L
-        b_w = _w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
-        b_x = _x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
+        b_w = w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
+        b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
         if W_FMT == 2:
-            b_s = _block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
+            b_s = block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
             acc += tl.dot(b_x, b_w) * b_s[None, :]
         else:
             acc = tl.dot(b_x, b_w, acc=acc)
