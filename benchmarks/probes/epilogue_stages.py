@@ -22,14 +22,15 @@ probe kernels have none). Per shape ``HxB`` and output / W_UV kind, the variants
 streaming W_UV and the activations costs at that grid; ``full`` against ``splitN`` whether the
 table's split pays. The table at the end prints them per shape.
 
-Usage: ``python -m benchmarks.probes.epilogue_stages --out stages.json [--shapes 16x1 16x32]
-[--kinds fp8/bf16 bf16/bf16] [--splits 1 2 8]``. ``--smoke``: the CPU under the Triton
-interpreter, small dims, one shape, every variant (SPLIT 1 and 2).
+Usage: ``python -m benchmarks.probes.epilogue_stages --out stages.json (or --out-dir D)
+[--shapes 16x1 16x32] [--kinds fp8/bf16 bf16/bf16] [--splits 1 2 8]``. ``--smoke``: the CPU
+under the Triton interpreter, small dims, one shape, every variant (SPLIT 1 and 2).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -228,8 +229,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--splits", nargs="+", type=int, default=None, help="SPLITs beside the table's")
+    ap.add_argument("--out-dir", default=None, help="write D/epilogue_stages.json (unless --out)")
     a = ap.parse_args(argv)
     a.splits = a.splits or ([1, 2] if a.smoke else [1])
+    if a.out is None and a.out_dir is not None:  # as a queued device job passes it
+        Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+        a.out = str(Path(a.out_dir) / "epilogue_stages.json")
     if a.smoke:
         ensure_interpreter()
     os.environ["FUSEMLA_PDL"] = "off"  # the probe kernels have none: neither has the full one
