@@ -25,6 +25,7 @@ import torch
 
 from fusemla.contracts.checks import dtype as _dtype
 from fusemla.contracts.checks import last_contiguous as _last_contiguous
+from fusemla.contracts.checks import no_overlap as _no_overlap
 from fusemla.contracts.checks import shape as _shape
 from fusemla.contracts.checks import tensor as _tensor
 from fusemla.dtypes import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES, ROPE_DTYPES
@@ -515,6 +516,7 @@ def prepare_step(
     _dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
 
     q_dtype = spec.q_out_dtype or act
+    gave = (out is not None, q_pe_out is not None, k_pe_out is not None)
     q = _output("out", out, (D, H, L + R), lambda: f"[D={D}, H={H}, L+R={L + R}]", q_dtype, q_nope)
     q_pe_out = _output(
         "q_pe_out", q_pe_out, (N - D, H, R), lambda: f"[N-D={N - D}, H={H}, R={R}]", act, q_nope
@@ -551,6 +553,16 @@ def prepare_step(
     for name, x in [("q_nope", q_nope)] + named:
         if x.dim() > 1 and name != "spec":  # the spec's tensors were checked by build_spec
             _last_contiguous(name, x)
+    # what the kernel writes (the outputs the caller gave: those made here overlap nothing)
+    # against what it reads; rotating in place (q_pe_out = q_pe[D:], k_pe_out = k_pe[D:]) is
+    # allowed: one program reads each such row whole before it writes it. (The spec's weights
+    # and RoPE tables: a layer's own buffers, not compared.)
+    outs = (("out", q), ("q_pe_out", q_pe_out), ("k_pe_out", k_pe_out))
+    written = [w for w, g in zip(outs, gave) if g] + [("kv_cache", kv_cache)]
+    read = [(n, x) for n, x in named[:6] if n != "kv_cache"] + [("q_nope", q_nope)]
+    if isinstance(kv_scale, torch.Tensor):
+        read.append(("kv_scale", kv_scale))
+    _no_overlap(written, read, (("q_pe_out", "q_pe", D), ("k_pe_out", "k_pe", D)))
     return PrologueArgs(
         spec=spec,
         q_nope=q_nope,

@@ -119,6 +119,103 @@ def test_prefill_q_pe_rotated_in_place(device):
     compare(inp, out, ref, inp.kv_cache, cache_ref, cache_before).assert_ok()
 
 
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes over its whole storage (what a refused call must leave unchanged)."""
+    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage()).clone()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (NaN poison included)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_outputs_over_inputs_are_refused_rotating_in_place_is_not(device):
+    """An output (or the cache) that shares memory with what the kernel reads would be written
+    while another program still reads there: refused, naming both, before any byte changes;
+    by the kernel and the reference alike. Allowed: vLLM's layout, where q_nope and q_pe are
+    column slices of one q buffer and the prefill rows' q_pe / k_pe are rotated in place
+    (q_pe_out = q_pe[D:], k_pe_out = k_pe[D:]); an output beside an input in disjoint columns
+    of the same rows. Both computed as from separate tensors."""
+    N, D, H = 6, 2, 2
+    dims = _dims(device, H)
+    P, R, L = dims["P"], dims["R"], dims["L"]
+    inp = make_inputs(N, **dims, num_decode_tokens=D, device=device, generator=_gen("overlap"))
+    bf16 = dict(dtype=inp.q_nope.dtype, device=device)
+    cache_ref = inp.kv_cache.clone()
+    want = inp.run(mla_prologue_ref, kv_cache=cache_ref)
+
+    # vLLM's layout: q [N, H, P + R] (q_nope | q_pe), k_pe beside kv_c, rotated in place
+    q = torch.cat([inp.q_nope, inp.q_pe], dim=2)
+    kv = torch.cat([inp.kv_c, inp.k_pe], dim=1)
+    for fn in (mla_prologue, mla_prologue_ref):
+        qq, kk, cache = q.clone(), kv.clone(), inp.kv_cache.clone()
+        args = list(inp.args())
+        args[0:4] = qq[..., :P], qq[..., P:], kk[:, :L], kk[:, L:]
+        args[8] = cache
+        got = fn(*args, num_decode_tokens=D, q_pe_out=qq[D:, :, P:], k_pe_out=kk[D:, L:])
+        assert got.q_pe.data_ptr() == qq[D:, :, P:].data_ptr()
+        assert _same(got.q, want.q) and _same(cache, cache_ref)
+        assert torch.equal(qq[D:, :, P:], want.q_pe) and torch.equal(kk[D:, L:], want.k_pe)
+        # what is not an output is untouched: q_nope, the decode rows' q_pe and k_pe, kv_c
+        assert torch.equal(qq[..., :P], inp.q_nope) and torch.equal(qq[:D, :, P:], inp.q_pe[:D])
+        assert torch.equal(kk[:, :L], inp.kv_c) and torch.equal(kk[:D, L:], inp.k_pe[:D])
+
+    # an output in other columns of q_nope's rows: apart, though the address ranges interleave
+    wide = torch.randn(N, H, P + L + R, generator=_gen("overlap", "wide")).to(**bf16)
+    wide[..., :P] = inp.q_nope
+    for fn in (mla_prologue, mla_prologue_ref):
+        buf = wide.clone()
+        got = inp.run(fn, kv_cache=inp.kv_cache.clone(), out=buf[:D, :, P:])
+        assert got.q.data_ptr() == buf[:D, :, P:].data_ptr() and torch.equal(got.q, want.q)
+        assert torch.equal(buf[..., :P], inp.q_nope) and torch.equal(
+            buf[D:, :, P:], wide[D:, :, P:]
+        )
+
+    # refused: (case, what to pass, message)
+    over_q_nope = torch.cat([inp.q_nope.flatten(), torch.zeros(D * H * (L + R), **bf16)])
+    cases = [
+        (
+            "out over q_nope",
+            dict(
+                q_nope=over_q_nope[: N * H * P].view(N, H, P),
+                out=over_q_nope[P:][: D * H * (L + R)].view(D, H, L + R),
+            ),
+            r"out: expected memory apart from q_nope",
+        ),
+        (
+            "q_pe_out shifted over q_pe",
+            dict(q_pe_out=inp.q_pe[: N - D]),
+            r"q_pe_out: .*apart from q_pe",
+        ),
+        ("k_pe_out over kv_c", dict(k_pe_out=inp.kv_c[D:, :R]), r"k_pe_out: .*apart from kv_c"),
+        (
+            "k_pe_out over k_pe's first rows",
+            dict(k_pe_out=inp.k_pe[1 : N - D + 1]),
+            r"k_pe_out: .*apart from k_pe",
+        ),
+        (
+            "kv_c read from the cache",
+            dict(kv_c=inp.kv_cache.view(-1, L + R)[:N, :L]),
+            r"kv_cache: .*apart from kv_c",
+        ),
+    ]
+    names = ["q_nope", "q_pe", "kv_c", "k_pe"]
+    for name, kw, pattern in cases:
+        for fn in (mla_prologue, mla_prologue_ref):
+            acts = {n: kw.pop(n) if n in kw else getattr(inp, n) for n in names}
+            args = list(inp.args())
+            args[0:4] = [acts[n] for n in names]
+            outs = {k: v for k, v in kw.items()}
+            kw.update({n: acts[n] for n in names if acts[n] is not getattr(inp, n)})
+            watched = [*args[0:4], args[8], *outs.values()]
+            before = [_raw(x) for x in watched]
+            with pytest.raises(FuseMLAValueError, match=pattern) as info:
+                fn(*args, num_decode_tokens=D, **outs)
+            assert "got" in str(info.value), name
+            for x, b in zip(watched, before):
+                assert torch.equal(_raw(x), b), f"{name}: a buffer was written"
+
+
 class _CountingKernel:
     """Stands in for the Triton kernel object: counts launches, then launches the real one."""
 
