@@ -314,6 +314,12 @@ GRIDS = {
     "split": dict(
         bt=(16,), bv=(16, 32, 64, 128), bk=(128,), nwns=((4, 3), (8, 3), (8, 5)), sp=(1, 2, 4)
     ),
+    # 64-row latent chunks, so SPLIT reaches 8 (128 programs at 16 heads for an FP8 output):
+    # the a85ce66 stage probe put 16 heads' B = 1 time in streaming W_UV at 64 programs
+    # (2.4-2.9 us) and the split's meeting (1.2-1.7 us)
+    "few": dict(
+        bt=(16,), bv=(32, 64, 128), bk=(64,), nwns=((4, 3), (4, 5), (8, 3)), sp=(1, 2, 4, 8)
+    ),
 }
 
 

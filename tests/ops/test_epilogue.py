@@ -1339,6 +1339,30 @@ def test_plan_buckets_and_tiles(device):
     assert tiles(plans[128]) == tiles(plans[1000])
 
 
+def test_bf16_output_of_few_items_takes_narrow_tiles():
+    """A bf16 output in the medium bucket at few items (16 heads up to 64 tokens: the bucket's
+    32 x 128 tiles give 16 heads one program per head and 32 tokens) takes 16-token, 64-wide
+    tiles on CUDA, as the a85ce66 sweep measured faster (configs._BF16_OUT_FEW); the small and
+    large buckets, 128 heads, FP8 outputs, ROCm and the interpreter keep the bucket's tiles."""
+
+    def cfg(N, H=16, group=None, backend="cuda"):
+        return configs.tiles(512, 128, N, backend, group=group, block_k=None, H=H)[1]
+
+    few = dict(BLOCK_T=16, BLOCK_V=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=1)
+    for N in (17, 32, 64):
+        assert cfg(N) == few, N
+    assert cfg(32, H=8) == few  # fewer heads: fewer items still
+    medium = cfg(65)  # 48 items at the bucket's tiles: its own
+    assert (medium["BLOCK_T"], medium["BLOCK_V"]) == (32, 128)
+    assert cfg(32, H=128) == medium  # 128 items
+    for other in (cfg(1), cfg(16), cfg(128), cfg(32, backend="rocm"), cfg(32, group=128)):
+        assert (other["BLOCK_T"], other["BLOCK_V"]) != (16, 64), other
+    assert cfg(32, backend="interpreter")["BLOCK_V"] == 32
+    # a sweep's explicit tiles still win
+    with configs.override(BLOCK_T=32, BLOCK_V=128):
+        assert (cfg(32)["BLOCK_T"], cfg(32)["BLOCK_V"]) == (32, 128)
+
+
 def test_fuse_token_range_follows_the_measured_crossovers():
     """Where an engine's own W_UV bmm (+ its FP8 quant) is faster, the plugin keeps it: the
     table is per output kind and head count, conservative between head counts, and the

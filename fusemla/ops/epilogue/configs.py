@@ -5,9 +5,11 @@ in a workspace (the last to arrive adds them in order: deterministic); the table
 FP8 outputs of few items (:data:`_FP8_OUT_FEW`). For an FP8 output a ``BLOCK_V`` below the
 group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; no table
 picks that (the d1a0cb0 sweep: never faster than SPLIT alone); benchmarks sweep both with
-``cfg``. Keyed on the output
-kind (bf16 / FP8 with its group), the weight's block rows and one of three batch buckets, never
-on the token count, so a serving loop compiles at most three variants per format. Under the
+``cfg``. Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows, one of
+three batch buckets and, on a GPU, whether the launch has few (token tile, V tile, head) items
+(:data:`_FP8_OUT_FEW`, :data:`_BF16_OUT_FEW`: at 16 heads the buckets' tiles leave most of the
+GPU idle), never the token count itself, so a serving loop compiles a handful of variants per
+format. Under the
 Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide V tiles, 32-row
 latent chunks), so CPU tests run several V tiles, token tiles and chunks.
 """
@@ -56,6 +58,15 @@ _GPU_TILES_FP8 = {
 #: slower there (bf16 W_UV 11.54 -> 13.79 and 17.74 -> 24.17 us; block-FP8 W_UV 12.27 -> 10.68
 #: at B = 32 but 15.71 -> 18.66 at B = 64); SPLIT was not swept above 64 items.
 _FP8_OUT_FEW = {1: ((64, 4, None),), 2: ((16, 4, None), (64, 1, 5))}
+#: A bf16 output's launch of few items in the medium bucket on a GPU: ``(most items at the
+#: bucket's tiles, the tiles instead)``: 16-token tiles and 64-wide V tiles, 8 programs per head
+#: and 32 tokens where the bucket's 32 x 128 tiles give one. From the H200 sweep of 16 heads
+#: at a85ce66 (bf16 W_UV, h200_epilogue_bf16_split{,2}_a85ce66.json), us per launch, the
+#: bucket's tiles -> these: B = 32 6.69 -> 5.01, B = 64 6.78 -> 5.12 (the sweep's best, 4.71
+#: at B = 32, splits 32-wide V tiles' latent in 4: within its noise, and a workspace more).
+#: The small bucket keeps its tiles (B = 16: 4.89 against 5.01), as do 128 heads (128 items
+#: at B = 32), ROCm and the interpreter: not measured.
+_BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
 #: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
@@ -128,6 +139,23 @@ def smem_bytes(cfg: dict, w_bytes: int, fp8_out: bool = False) -> int:
     return buffers + (bt * bv * 4 if fp8_out else 0)
 
 
+def _fit(tiles_: tuple, L: int, V: int, group: int | None, block_k: int | None) -> tuple:
+    """A table's ``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages)`` fitted to the shape: a
+    V tile no wider than V (rounded up to a power of two) but holding whole FP8 groups, a
+    latent chunk no longer than L and inside one block of scale rows, at most
+    :data:`_MAX_ACC` accumulator elements."""
+    bt, bv, bk, nw, ns = tiles_
+    bv = max(16, min(bv, triton.next_power_of_2(V)))
+    if group is not None:
+        bv = max(bv, group)  # a V tile holds whole groups
+    bk = min(bk, max(16, triton.next_power_of_2(L)))
+    if block_k is not None:
+        bk = min(bk, _pow2_divisor(block_k))  # a chunk lies inside one block of rows
+    while bt * bv > _MAX_ACC and bt > 16:
+        bt //= 2
+    return bt, bv, bk, nw, ns
+
+
 def few_items_rule(
     items: int, w_bytes: int, fp8_out: bool, backend: str, bucket: str
 ) -> tuple[int, int | None]:
@@ -163,16 +191,13 @@ def tiles(
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     bucket = batch_bucket(N)
     table = _GPU_TILES_FP8 if group is not None else _GPU_TILES
-    bt, bv, bk, nw, ns = _INTERPRETER_TILES if backend == "interpreter" else table[bucket]
-    bv = max(16, min(bv, triton.next_power_of_2(V)))
-    if group is not None:
-        bv = max(bv, group)  # a V tile holds whole groups
-    bk = min(bk, max(16, triton.next_power_of_2(L)))
-    if block_k is not None:
-        bk = min(bk, _pow2_divisor(block_k))  # a chunk lies inside one block of rows
-    while bt * bv > _MAX_ACC and bt > 16:
-        bt //= 2
+    tiles_ = _INTERPRETER_TILES if backend == "interpreter" else table[bucket]
+    bt, bv, bk, nw, ns = _fit(tiles_, L, V, group, block_k)
     items = triton.cdiv(N, bt) * triton.cdiv(V, bv) * H
+    most, few = _BF16_OUT_FEW
+    if group is None and backend == "cuda" and bucket == "medium" and items <= most:
+        bt, bv, bk, nw, ns = _fit(few, L, V, group, block_k)
+        items = triton.cdiv(N, bt) * triton.cdiv(V, bv) * H
     split, stages = few_items_rule(items, w_bytes, group is not None, backend, bucket)
     cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=stages or ns)
     budget = _SMEM_BUDGET.get(backend)
