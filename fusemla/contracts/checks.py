@@ -75,9 +75,7 @@ def _rows(x: torch.Tensor, base: int) -> tuple[int, int, int] | None:
     than one. None where ``x`` is not laid out so (last dimension not contiguous)."""
     es = x.element_size()
     shp, st = x.shape, x.stride()
-    if not shp:
-        return 0, 0, es
-    n = shp[-1]
+    n = shp[-1] if shp else 1  # (a 0-dim tensor: one element, a single row)
     if n > 1 and st[-1] != 1:
         return None
     outer = [s * es for k, s in zip(shp[:-1], st[:-1]) if k > 1]

@@ -559,7 +559,14 @@ def prepare_step(
     # and RoPE tables: a layer's own buffers, not compared.)
     outs = (("out", q), ("q_pe_out", q_pe_out), ("k_pe_out", k_pe_out))
     written = [w for w, g in zip(outs, gave) if g] + [("kv_cache", kv_cache)]
-    read = [(n, x) for n, x in named[:6] if n != "kv_cache"] + [("q_nope", q_nope)]
+    read = [
+        ("q_nope", q_nope),
+        ("q_pe", q_pe),
+        ("kv_c", kv_c),
+        ("k_pe", k_pe),
+        ("positions", positions),
+        ("slot_mapping", slot_mapping),
+    ]
     if isinstance(kv_scale, torch.Tensor):
         read.append(("kv_scale", kv_scale))
     _no_overlap(written, read, (("q_pe_out", "q_pe", D), ("k_pe_out", "k_pe", D)))

@@ -65,6 +65,10 @@ def test_columns_apart_named_cases():
     # rows 20 elements apart are not whole periods of 8: their columns move (4-7 in row 2)
     buf = torch.zeros(64, dtype=torch.bfloat16)
     assert not columns_apart(buf.as_strided((2, 2, 4), (20, 8, 1), 0), buf[20:36].view(2, 8)[:, :4])
+    # a 0-dim tensor is one element at its own offset: in the columns it takes, not column 0
+    flat = q.view(-1)
+    assert not columns_apart(q[:, :, 40:], flat[40])
+    assert columns_apart(q[:, :, 40:], flat[8])
     assert rows_of(q[2:, :, 32:], q[:, :, 32:], 2)
     assert not rows_of(q[1:4, :, 32:], q[:, :, 32:], 2)
     assert not rows_of(q[2:].view(torch.float16), q[:, :, :], 2)

@@ -201,13 +201,11 @@ def test_outputs_over_inputs_are_refused_rotating_in_place_is_not(device):
     ]
     names = ["q_nope", "q_pe", "kv_c", "k_pe"]
     for name, kw, pattern in cases:
+        args = list(inp.args())
+        args[0:4] = [kw.get(n, getattr(inp, n)) for n in names]
+        outs = {k: v for k, v in kw.items() if k not in names}
+        watched = [*args[0:4], args[8], *outs.values()]
         for fn in (mla_prologue, mla_prologue_ref):
-            acts = {n: kw.pop(n) if n in kw else getattr(inp, n) for n in names}
-            args = list(inp.args())
-            args[0:4] = [acts[n] for n in names]
-            outs = {k: v for k, v in kw.items()}
-            kw.update({n: acts[n] for n in names if acts[n] is not getattr(inp, n)})
-            watched = [*args[0:4], args[8], *outs.values()]
             before = [_raw(x) for x in watched]
             with pytest.raises(FuseMLAValueError, match=pattern) as info:
                 fn(*args, num_decode_tokens=D, **outs)
