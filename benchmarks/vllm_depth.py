@@ -475,6 +475,28 @@ def cell_fits(now: float, stop_at: float, warm_s: float, ratio: float | None) ->
     return now + ratio * warm_s <= stop_at
 
 
+def first_engine_stop(up: float, end: float, later: int, later_start_s: float) -> float:
+    """When the first engine of a pair under ``--deadline-s`` stops starting cells: it learns
+    its own start cost only once it is up (``up``), then leaves each of the ``later`` engines
+    ``later_start_s`` to start plus as much time for the same cells as it takes itself, all by
+    ``end`` (0: no limit). The first engine of a lease pays torch.compile and the graph
+    captures: 357-372 s at full depth on the H200, against 158-214 s for the engines after it
+    (a85ce66, 13ad969); an even split of the deadline gave it too little (13ad969: 18 s of
+    its 375 s share left for cells, one cell of four run)."""
+    if not end or not later:
+        return end
+    cells_s = (end - up - later * later_start_s) / (later + 1)
+    return up + max(cells_s, 0.0)
+
+
+def later_engine_stop(end: float, after: int, later_start_s: float, first_cells_s: float) -> float:
+    """The stop of an engine after the first: ``end`` less what the ``after`` engines still to
+    come need (each its start and the first engine's cell time ``first_cells_s``)."""
+    if not end:
+        return end
+    return end - after * (later_start_s + first_cells_s)
+
+
 def completed_cells(res: dict) -> list:
     """The ``BxCONTEXT`` cells an engine's JSON holds, in its order, once each (a cell has one
     entry per sampling mode): the cells the pair's next engine runs after a deadline."""
@@ -507,6 +529,10 @@ def engine_main(args) -> None:
         kw.update(attention_backend="CPU_MLA", enforce_eager=True, gpu_memory_utilization=0.3)
     t0 = time.time()
     llm = LLM(**kw)
+    # the first engine of a pair sizes its share of the deadline now that it is up
+    args.stop_at = first_engine_stop(
+        time.time(), args.stop_at, args.later_engines, args.later_start_s
+    )
     res: dict = {
         "variant": args.variant,
         "model": args.model,
@@ -771,11 +797,19 @@ def pair_main(args) -> None:
     for variant in order:  # a typo raises before any engine starts
         variant_env(variant)
     t_pair = time.time()
+    end = t_pair + args.deadline_s if args.deadline_s else 0.0
     cells = list(getattr(args, "cells", None) or [])
+    first_cells_s = 0.0  # the first engine's time from up to done
     for i, variant in enumerate(order):
-        # --deadline-s: engine i must end by its share of it; the engines after the first run
-        # the cells the first one ran (a pair, not two halves)
-        stop_at = t_pair + args.deadline_s * (i + 1) / len(order) if args.deadline_s else 0
+        # --deadline-s: the first engine sizes its share once it is up (first_engine_stop);
+        # the engines after it run the cells it ran (a pair, not two halves), each leaving the
+        # ones still to come their start and that much time
+        if i == 0:
+            stop_at, later = end, len(order) - 1
+        else:
+            after = len(order) - 1 - i
+            stop_at = later_engine_stop(end, after, args.later_start_s, first_cells_s)
+            later = 0
         env = engine_env(
             variant,
             cache_root,
@@ -819,6 +853,10 @@ def pair_main(args) -> None:
             str(out_dir / f"{tag}.json"),
             "--stop-at",
             str(stop_at),
+            "--later-engines",
+            str(later),
+            "--later-start-s",
+            str(args.later_start_s),
         ]
         print(f"[depth] starting {tag}: {' '.join(cmd[2:])}", flush=True)
         t0 = time.time()
@@ -832,6 +870,7 @@ def pair_main(args) -> None:
             js.write_text(json.dumps(res, indent=1))
             print(f"[depth] {tag} memory: {json.dumps(res['memory'])}", flush=True)
             if i == 0 and args.deadline_s:
+                first_cells_s = max(time.time() - t0 - res.get("engine_start_s", 0.0), 0.0)
                 cells = completed_cells(res)
                 print(f"[depth] the next engines run the cells {tag} ran: {cells}", flush=True)
                 if not cells:
@@ -1082,6 +1121,7 @@ def smoke() -> None:
         max_num_seqs=0,
         cache_root=None,
         deadline_s=0.0,
+        later_start_s=240.0,
     )
     pair_main(args)
     runs = load_runs(sorted(d.glob("*.json")))
@@ -1158,6 +1198,13 @@ def main() -> None:
                 default=0.0,
                 help="epoch seconds: start no cell estimated to end later (0: no limit)",
             )
+            e.add_argument(
+                "--later-engines",
+                type=int,
+                default=0,
+                help="engines of the pair still to come after this one (the first engine "
+                "leaves them their start and its own cell time before --stop-at)",
+            )
         else:
             e.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
             e.add_argument("--order", default="off,on")
@@ -1168,10 +1215,18 @@ def main() -> None:
                 "--deadline-s",
                 type=float,
                 default=0.0,
-                help="the whole pair within this many seconds (a device lease's rest): each "
-                "engine gets its share, the first skips the cells that would not fit it, the "
-                "others run the cells the first ran (0: no limit)",
+                help="the whole pair within this many seconds (a device lease's rest): the first "
+                "engine, once up, leaves each later one --later-start-s and as much time for "
+                "cells as it takes itself, skipping the cells that would not fit; the others "
+                "run the cells the first ran (0: no limit)",
             )
+        e.add_argument(
+            "--later-start-s",
+            type=float,
+            default=240.0,
+            help="seconds an engine after a lease's first takes to start (with --deadline-s; "
+            "158-214 s at full depth on the H200, where the first took 357-372)",
+        )
     lat = sub.add_parser("latency", help="vLLM's own `vllm bench latency`, off and on")
     lat.add_argument("--shard", choices=sorted(SHARDS), default="tp8")
     lat.add_argument("--batches", nargs="+", type=int, default=[1, 32])

@@ -3,6 +3,7 @@ fewer cells in both engines, never all of them in one engine and half in the oth
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -33,7 +34,7 @@ def _pair_args(tmp_path, deadline_s, order="on,off"):
         out_dir=str(tmp_path), shard="smoke", order=order, tag="t", batches=[1], context=16,
         cells=["1x16", "128x16", "2x16"], repeats=1, short=2, long=4, sampling=["seeded"],
         profile_steps=0, kv_cache_dtype="auto", max_model_len=256, max_num_seqs=0,
-        cache_root=None, deadline_s=deadline_s,
+        cache_root=None, deadline_s=deadline_s, later_start_s=240.0,
     )  # fmt: skip
 
 
@@ -48,11 +49,18 @@ def engines(monkeypatch):
         cells = argv[argv.index("--cells") + 1 : argv.index("--repeats")]
         stop_at = float(argv[argv.index("--stop-at") + 1])
         calls.append(
-            {"variant": argv[argv.index("--variant") + 1], "cells": cells, "stop_at": stop_at}
+            {
+                "variant": argv[argv.index("--variant") + 1],
+                "cells": cells,
+                "stop_at": stop_at,
+                "later": int(argv[argv.index("--later-engines") + 1]),
+                "later_start_s": float(argv[argv.index("--later-start-s") + 1]),
+            }
         )
         ran = [c for c in cells if not (stop_at and c == "128x16")]
         res = {
             "variant": calls[-1]["variant"],
+            "engine_start_s": 0.0,
             "cells": [
                 {"batch": int(c.split("x")[0]), "context": int(c.split("x")[1])} for c in ran
             ],
@@ -72,8 +80,35 @@ def test_the_second_engine_runs_what_the_first_ran(tmp_path, engines):
     first, second = engines
     assert first["cells"] == ["1x16", "128x16", "2x16"]
     assert second["cells"] == ["1x16", "2x16"]  # the skipped cell is skipped in both
-    assert 0 < first["stop_at"] < second["stop_at"]
-    assert second["stop_at"] - first["stop_at"] == pytest.approx(500.0, abs=5.0)
+    # the first sizes its share once up (first_engine_stop), knowing one engine follows;
+    # the last may use the whole deadline
+    assert first["later"] == 1 and second["later"] == 0
+    assert first["later_start_s"] == second["later_start_s"] == 240.0
+    assert first["stop_at"] == pytest.approx(second["stop_at"], abs=1e-6)
+    assert first["stop_at"] - 1000.0 == pytest.approx(time.time(), abs=60.0)
+
+
+def test_three_engines_the_middle_leaves_the_last_its_start_and_the_cells(tmp_path, engines):
+    vd.pair_main(_pair_args(tmp_path, 1000.0, order="off,on,epi"))
+    first, middle, last = engines
+    assert [e["later"] for e in engines] == [2, 0, 0]
+    # the fake engine takes no time: the first engine's cell time is ~0
+    assert last["stop_at"] - middle["stop_at"] == pytest.approx(240.0, abs=5.0)
+    assert first["stop_at"] == pytest.approx(last["stop_at"], abs=1e-6)
+
+
+def test_the_first_engine_keeps_an_even_share_of_what_its_start_left():
+    # 13ad969 on the H200: up 357 s into a 750 s deadline, one engine to follow
+    assert vd.first_engine_stop(357.0, 750.0, 1, 240.0) == pytest.approx(357.0 + 76.5)
+    # two engines to follow: (750 - 357 - 480) < 0, no time left: only its first cell runs
+    assert vd.first_engine_stop(357.0, 750.0, 2, 240.0) == 357.0
+    assert vd.first_engine_stop(100.0, 1000.0, 2, 150.0) == pytest.approx(100.0 + 200.0)
+    assert vd.first_engine_stop(357.0, 0.0, 1, 240.0) == 0.0  # no deadline
+    assert vd.first_engine_stop(357.0, 750.0, 0, 240.0) == 750.0  # alone: the whole of it
+    # an engine after it: the end less what the ones still to come need
+    assert vd.later_engine_stop(750.0, 0, 240.0, 76.5) == 750.0
+    assert vd.later_engine_stop(1000.0, 1, 150.0, 200.0) == 650.0
+    assert vd.later_engine_stop(0.0, 1, 150.0, 200.0) == 0.0
 
 
 def test_no_deadline_runs_every_cell_in_every_engine(tmp_path, engines):
