@@ -15,6 +15,16 @@
 #                                     # machine's own torch; all of tests/ or the paths given), in
 #                                     # the background from a copy of the checkout
 #   bash tests/vllm/h200.sh kernels-wait N   # wait up to N s for it; its log to $OUT
+#   bash tests/vllm/h200.sh warm-save   # the caches a lease's first engine fills, to $OUT
+#   bash tests/vllm/h200.sh warm-load   # restore them from $VG/warm/ (carried), before `depth`
+#
+# Warm caches: a lease's first engine compiles what the later ones reuse from the machine's
+# disk (13ad969, TP8 shard: FlashInfer's JIT build of its sampling module ~135 s, torch.compile
+# 79 s; the first engine up in 357 s, the later ones in 158-214). `depth-wait` saves them once
+# its job is done (warm_<commit>.txz.NN, 15 MiB parts, in $OUT beside the results): copy the
+# parts into $VG/warm/ here (git-ignored with $VG) and carry them in one call of the next lease,
+# whose command runs `warm-load`; every cache is keyed by its inputs (FlashInfer and Triton by
+# source and flags, vLLM's by its config and the traced code), so a stale entry is never used.
 #
 # VGPU=<folder> (default .vgpu) picks the bundle (e.g. .vgpu033 for vLLM 0.33, whose gpu_env.sh
 # unpacks elsewhere, so two bundles live side by side on one machine) and VTAG (default vllm032)
@@ -110,7 +120,33 @@ case ${1:-} in
     for f in /tmp/depth_out/driver_$name.log; do echo "== $f"; tail -c 4000 "$f"; done
     ls -la /tmp/depth_out
     tar -C /tmp/depth_out -czf "$OUTDIR/depth_$commit.tgz" --exclude=vllm_cache --exclude='model_*' --exclude='./*/model' . 2>/dev/null
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    # once every job is done, the caches its engines filled come back too (warm-save)
+    if ! ls /tmp/depth_out/job_*.sh 2>/dev/null | while read -r j; do
+        n=${j#/tmp/depth_out/job_}; [[ -f /tmp/depth_out/done_${n%.sh} ]] || exit 1; done; then
+      echo "[h200] jobs still running: warm caches not saved yet"
+    else
+      bash "$0" warm-save
+    fi ;;
+  warm-save)
+    # FlashInfer's JIT modules, vLLM's torch.compile artifacts and Triton's kernels, if present;
+    # Triton's left out when the three would not come back in 4 parts of 15 MiB
+    paths=()
+    for p in "$HOME/.cache/flashinfer" /tmp/depth_cache/torch_compile_cache "$HOME/.triton/cache"; do
+      [[ -d $p ]] && paths+=("$p")
+    done
+    (( ${#paths[@]} )) || { echo "[h200] no warm caches to save"; exit 0; }
+    rm -f "$OUTDIR"/warm_*.txz.*
+    tar -cPf - "${paths[@]}" 2>/dev/null | xz -T0 -6 > /tmp/warm.txz
+    if (( $(stat -c %s /tmp/warm.txz) > 60 * 1024 * 1024 )) && [[ ${paths[-1]} == *triton* ]]; then
+      unset 'paths[-1]'
+      tar -cPf - "${paths[@]}" 2>/dev/null | xz -T0 -6 > /tmp/warm.txz
+    fi
+    split -b 15M -d -a 2 /tmp/warm.txz "$OUTDIR/warm_$commit.txz."
+    echo "[h200] warm caches saved: ${paths[*]} -> $(du -h /tmp/warm.txz | cut -f1) in $(ls "$OUTDIR"/warm_*.txz.* | wc -l) parts" ;;
+  warm-load)
+    ls "$VG"/warm/warm_*.txz.* > /dev/null 2>&1 || { echo "[h200] no warm caches carried"; exit 0; }
+    cat "$VG"/warm/warm_*.txz.* | xz -dc | tar -xPf - && echo "[h200] warm caches restored: $(ls "$VG"/warm)" ;;
   kernels)
     rm -rf /tmp/kern_src /tmp/kern_run && mkdir -p /tmp/kern_src /tmp/kern_run
     tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C /tmp/kern_src
@@ -129,5 +165,5 @@ case ${1:-} in
     tail -c 3000 /tmp/kern_run/tests.log
     [[ -f /tmp/kern_run/done ]] && echo "[h200] kernel suite exit status $(cat /tmp/kern_run/done)" || echo "[h200] kernel suite still running"
     cp /tmp/kern_run/tests.log "$OUTDIR/h200_gpu_tests_$commit.log" 2>/dev/null ;;
-  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds]"; exit 2 ;;
+  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds] | warm-save | warm-load"; exit 2 ;;
 esac
