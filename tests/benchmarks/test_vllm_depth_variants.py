@@ -18,6 +18,15 @@ from benchmarks.vllm_depth import compare, engine_env, variant_env
             "epi-stored",
             {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_EPILOGUE": "1", "FUSEMLA_VLLM_W_UK": "stored"},
         ),
+        (
+            "epi-all-stored",
+            {
+                "FUSEMLA_VLLM": "1",
+                "FUSEMLA_VLLM_EPILOGUE": "1",
+                "FUSEMLA_VLLM_EPILOGUE_TOKENS": "all",
+                "FUSEMLA_VLLM_W_UK": "stored",
+            },
+        ),
         ("fp8", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_W_UK": "fp8"}),
         ("on-flashmla", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}),
     ],

@@ -83,6 +83,12 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   shifted by those two points' offsets: slower at 8 and 16, faster at 64, slower at 128.
 #: - 128 heads, FP8 out, and bf16 out at both: slower at every batch by the same estimate
 #:   (not yet measured in vLLM: the full-depth runs are FP8 checkpoints at 16 heads).
+#:
+#: These ranges predate the FP8 output's latent split for few items (de9c208) and its one
+#: reciprocal per program (26b0b51): the kernel benchmark at 13ad969 puts 16 heads, FP8 out,
+#: B = 1 at 4.73 us (block-FP8 W_UV) / 5.00 (bf16 W_UV) where 9804a32's engine measured 6.69
+#: against vLLM's 5.41. Not changed before the engine measures it (vllm_depth's "epi-all"
+#: variants profile every decode step through the epilogue).
 _FUSE_TOKENS = {
     (True, 16): (32, 64),
     (True, 128): (1, 0),
