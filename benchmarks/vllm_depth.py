@@ -439,7 +439,11 @@ def _rpc_memory(w) -> dict:
     gib = 1 << 30
     reserved, live = collections.Counter(), collections.Counter()
     blocks = collections.Counter()
-    for seg in torch.cuda.memory_snapshot():
+    try:  # a diagnostic: it must not end the engine's run
+        snapshot = torch.cuda.memory_snapshot()
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)[:200]}
+    for seg in snapshot:
         pool = "default" if tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0) else "graphs"
         reserved[pool] += seg["total_size"]
         for b in seg["blocks"]:

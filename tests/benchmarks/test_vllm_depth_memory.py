@@ -53,5 +53,11 @@ def test_rpc_memory_sorts_live_blocks_by_pool_and_size(monkeypatch):
     assert m["reserved_gib"] == {"default": round(8 / 1024, 3), "graphs": 0.25}
     assert m["live_gib"] == {"default": round(2 / 1024, 3), "graphs": round(192 / 1024, 3)}
     assert m["live_blocks_by_mib"] == [["graphs", 64, 3], ["default", 2, 1]]
+
+    def broken():
+        raise RuntimeError("no snapshot here")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", broken)  # a diagnostic never ends a run
+    assert "no snapshot here" in vd._rpc_memory(None)["error"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert vd._rpc_memory(None) == {}

@@ -129,19 +129,22 @@ case ${1:-} in
       bash "$0" warm-save
     fi ;;
   warm-save)
-    # FlashInfer's JIT modules, vLLM's torch.compile artifacts and Triton's kernels, if present;
-    # Triton's left out when the three would not come back in 4 parts of 15 MiB
+    # FlashInfer's JIT modules, vLLM's torch.compile artifacts and Triton's kernels, if present,
+    # in at most 3 parts of 15 MiB: the results beside them in $OUT must still come back (a
+    # call returns 8 files, 64 MiB in all), so Triton's go first, then everything
     paths=()
     for p in "$HOME/.cache/flashinfer" /tmp/depth_cache/torch_compile_cache "$HOME/.triton/cache"; do
       [[ -d $p ]] && paths+=("$p")
     done
-    (( ${#paths[@]} )) || { echo "[h200] no warm caches to save"; exit 0; }
-    rm -f "$OUTDIR"/warm_*.txz.*
-    tar -cPf - "${paths[@]}" 2>/dev/null | xz -T0 -6 > /tmp/warm.txz
-    if (( $(stat -c %s /tmp/warm.txz) > 60 * 1024 * 1024 )) && [[ ${paths[-1]} == *triton* ]]; then
-      unset 'paths[-1]'
+    rm -f "$OUTDIR"/warm_*.txz.* /tmp/warm.txz
+    while (( ${#paths[@]} )); do
       tar -cPf - "${paths[@]}" 2>/dev/null | xz -T0 -6 > /tmp/warm.txz
-    fi
+      (( $(stat -c %s /tmp/warm.txz) <= 45 * 1024 * 1024 )) && break
+      echo "[h200] warm caches over 45 MiB with ${paths[-1]}: left out"
+      unset 'paths[-1]'
+      rm -f /tmp/warm.txz
+    done
+    [[ -f /tmp/warm.txz ]] || { echo "[h200] no warm caches to save"; exit 0; }
     split -b 15M -d -a 2 /tmp/warm.txz "$OUTDIR/warm_$commit.txz."
     echo "[h200] warm caches saved: ${paths[*]} -> $(du -h /tmp/warm.txz | cut -f1) in $(ls "$OUTDIR"/warm_*.txz.* | wc -l) parts" ;;
   warm-load)
