@@ -18,13 +18,9 @@
 #   bash tests/vllm/h200.sh warm-save   # the caches a lease's first engine fills, to $OUT
 #   bash tests/vllm/h200.sh warm-load   # restore them from $VG/warm/ (carried), before `depth`
 #
-# Warm caches: a lease's first engine compiles what the later ones reuse from the machine's
-# disk (13ad969, TP8 shard: FlashInfer's JIT build of its sampling module ~135 s, torch.compile
-# 79 s; the first engine up in 357 s, the later ones in 158-214). `depth-wait` saves them once
-# its job is done (warm_<commit>.txz.NN, 15 MiB parts, in $OUT beside the results): copy the
-# parts into $VG/warm/ here (git-ignored with $VG) and carry them in one call of the next lease,
-# whose command runs `warm-load`; every cache is keyed by its inputs (FlashInfer and Triton by
-# source and flags, vLLM's by its config and the traced code), so a stale entry is never used.
+# Warm caches (docs/method.md): `depth-wait` saves them once its jobs are done
+# (warm_<commit>.txz.NN in $OUT); copy the parts into $VG/warm/ here and carry them in one call
+# of the next lease, whose command runs `warm-load`.
 #
 # VGPU=<folder> (default .vgpu) picks the bundle (e.g. .vgpu033 for vLLM 0.33, whose gpu_env.sh
 # unpacks elsewhere, so two bundles live side by side on one machine) and VTAG (default vllm032)
@@ -122,12 +118,12 @@ case ${1:-} in
     tar -C /tmp/depth_out -czf "$OUTDIR/depth_$commit.tgz" --exclude=vllm_cache --exclude='model_*' --exclude='./*/model' . 2>/dev/null
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     # once every job is done, the caches its engines filled come back too (warm-save)
-    if ! ls /tmp/depth_out/job_*.sh 2>/dev/null | while read -r j; do
-        n=${j#/tmp/depth_out/job_}; [[ -f /tmp/depth_out/done_${n%.sh} ]] || exit 1; done; then
-      echo "[h200] jobs still running: warm caches not saved yet"
-    else
-      bash "$0" warm-save
-    fi ;;
+    pending=0
+    for j in /tmp/depth_out/job_*.sh; do  # no job file: the glob stays as written, pending
+      n=${j##*/job_}; [[ -f /tmp/depth_out/done_${n%.sh} ]] || pending=1
+    done
+    if (( pending )); then echo "[h200] jobs still running: warm caches not saved yet"
+    else bash "$0" warm-save; fi ;;
   warm-save)
     # FlashInfer's JIT modules, vLLM's torch.compile artifacts and Triton's kernels, if present,
     # in at most 3 parts of 15 MiB: the results beside them in $OUT must still come back (a
