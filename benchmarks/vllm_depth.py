@@ -1131,6 +1131,136 @@ def compare(runs: list) -> str:
     return "\n".join(lines)
 
 
+# issue 20's grid: per shard and KV-cache dtype, the cells (batch, context) every committed
+# pair is placed in; each needs a pair with the plugin first and one with it second
+GRID = {
+    ("tp8", "auto"): [(1, 1000), (8, 1000), (32, 1000), (128, 1000), (1, 4000), (32, 4000)],
+    ("ep8", "auto"): [(1, 1000), (8, 1000), (32, 1000), (128, 1000), (1, 4000), (32, 4000)],
+    ("tp8", "fp8"): [(1, 1000), (32, 1000)],
+}
+
+
+def verdict(off: dict, on: dict) -> str:
+    """One cell of one pair, judged on the engine core's decode step: "faster" / "slower" when
+    the 5 repeats' ranges are disjoint, or when repeat i of one engine beat repeat i of the
+    other in every repeat (both decode the same tokens in repeat i); else "within spread".
+    "no decode-step time" where the file predates it (TPOT by difference only)."""
+    a = [(r or {}).get("median_ms") for r in off.get("core_step") or []]
+    b = [(r or {}).get("median_ms") for r in on.get("core_step") or []]
+    if not a or not b or None in a or None in b:
+        return "no decode-step time"
+    if max(b) < min(a):
+        return "faster"
+    if min(b) > max(a):
+        return "slower"
+    if len(a) == len(b):
+        d = [y - x for x, y in zip(a, b)]
+        if all(x < 0 for x in d):
+            return "faster"
+        if all(x > 0 for x in d):
+            return "slower"
+    return "within spread"
+
+
+def pairs_of(files) -> list:
+    """Every (off, plugin-on variant) pair in the committed results files, one row per cell:
+    which engine ran first (a file is one lease, its engines in the order they ran), the change
+    of the decode step and its verdict. A variant that fused no layer is a fallback."""
+    rows = []
+    for p in files:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, ValueError):
+            continue
+        runs = d.get("runs") if isinstance(d, dict) else None
+        if not isinstance(runs, list):
+            continue
+        commit = str(d.get("commit") or "?").split()[0]
+        offs = [i for i, r in enumerate(runs) if r.get("variant") == "off"]
+        if not offs:
+            continue
+        i_off = offs[0]
+        for i, r in enumerate(runs):
+            v = r.get("variant", "")
+            if not v.startswith("on"):
+                continue
+            st = r.get("plugin_after_start") or {}
+            kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
+            by = {(c["batch"], c["context"], c.get("sampling")): c for c in runs[i_off]["cells"]}
+            for c in r["cells"]:
+                o = by.get((c["batch"], c["context"], c.get("sampling")))
+                if o is None:
+                    continue
+                a, b = o.get("core_step_median_ms"), c.get("core_step_median_ms")
+                rows.append(
+                    {
+                        "shard": _shard(r),
+                        "kv": kv,
+                        "batch": c["batch"],
+                        "context": c["context"],
+                        "commit": commit,
+                        "file": Path(p).name,
+                        "variant": v,
+                        "sampling": c.get("sampling"),
+                        "first": "on" if i < i_off else "off",
+                        "fused": bool(st.get("layers_fused")),
+                        "off_ms": a,
+                        "on_ms": b,
+                        "change_pct": None if not a or b is None else 100 * (b - a) / a,
+                        "verdict": verdict(o, c),
+                    }
+                )
+    return rows
+
+
+def grid(rows: list) -> str:
+    """Issue 20's grid from :func:`pairs_of`'s rows: per cell, every fused pair (commit, which
+    engine ran first, change, verdict), the orders still missing, and the fallbacks apart."""
+    lines = [
+        "| shard | kv | B | context | pairs (commit, first, decode step off -> on, verdict) "
+        "| plugin first | plugin second |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (shard, kv), cells in GRID.items():
+        for batch, ctx in cells:
+            mine = [
+                r
+                for r in rows
+                if (r["shard"], r["kv"], r["batch"], r["context"]) == (shard, kv, batch, ctx)
+            ]
+            fused = [r for r in mine if r["fused"]]
+            text = "; ".join(
+                f"{r['commit']} {r['first']} first"
+                + ("" if r["sampling"] in (None, "seeded") else f" ({r['sampling']})")
+                + ": "
+                + (
+                    f"{r['off_ms']:.3f} -> {r['on_ms']:.3f} ({r['change_pct']:+.1f} %), "
+                    if r["change_pct"] is not None
+                    else ""
+                )
+                + r["verdict"]
+                for r in fused
+            )
+            falls = [r for r in mine if not r["fused"]]
+            if falls:
+                text += "; fallback: " + ", ".join(
+                    f"{r['commit']} {r['variant']} {r['verdict']}" for r in falls
+                )
+            timed = [r for r in fused if r["verdict"] != "no decode-step time"]
+            first = "yes" if any(r["first"] == "on" for r in timed) else "**missing**"
+            second = "yes" if any(r["first"] == "off" for r in timed) else "**missing**"
+            lines.append(
+                f"| {shard} | {kv} | {batch} | {ctx} | {text or '-'} | {first} | {second} |"
+            )
+    slower = [r for r in rows if r["fused"] and r["verdict"] == "slower"]
+    lines.append("")
+    lines.append(
+        f"fused pairs: {sum(r['fused'] for r in rows)}, slower beyond the repeats' spread: "
+        + (", ".join(f"{r['file']} B={r['batch']}" for r in slower) if slower else "none")
+    )
+    return "\n".join(lines)
+
+
 def _arrow(off: dict, on: dict, key: str, pct) -> str:
     a, b = off.get(key), on.get(key)
     return "" if a is None or b is None else f"{a} -> {b} ({pct(b, a)})"
@@ -1279,6 +1409,12 @@ def main() -> None:
     lat.add_argument("--cache-root", default=None)
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
+    g = sub.add_parser("grid", help="issue 20's grid from the committed results files")
+    g.add_argument(
+        "files",
+        nargs="*",
+        help="results files (default: benchmarks/results/h200_vllm033_depth_*.json)",
+    )
     args = ap.parse_args()
     if args.smoke:
         smoke()
@@ -1290,6 +1426,11 @@ def main() -> None:
         pair_main(args)
     elif args.cmd == "latency":
         latency_main(args)
+    elif args.cmd == "grid":
+        files = args.files or sorted(
+            (Path(__file__).parent / "results").glob("h200_vllm033_depth_*.json")
+        )
+        print(grid(pairs_of(files)))
     elif args.cmd == "table":
         runs = load_runs(args.files)
         print(table(runs))

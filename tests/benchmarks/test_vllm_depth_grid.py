@@ -1,0 +1,109 @@
+"""benchmarks/vllm_depth.py's grid: every committed off/on pair placed in issue 20's cells,
+judged on the engine core's decode step, with the orders still missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.vllm_depth import GRID, grid, pairs_of, verdict
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _cell(batch, context, medians, sampling="seeded"):
+    return {
+        "batch": batch,
+        "context": context,
+        "sampling": sampling,
+        "core_step": [{"median_ms": x} for x in medians],
+        "core_step_median_ms": sorted(medians)[len(medians) // 2],
+    }
+
+
+def _run(variant, cells, heads=16, kv="auto", fused=61):
+    return {
+        "variant": variant,
+        "config": {"num_attention_heads": heads},
+        "engine": {"attention": {"kv_cache_dtype": kv}},
+        "plugin_after_start": {"layers_fused": fused} if variant != "off" else {},
+        "cells": cells,
+    }
+
+
+def _file(tmp_path, name, commit, runs):
+    p = tmp_path / name
+    p.write_text(json.dumps({"commit": commit, "runs": runs}))
+    return p
+
+
+@pytest.mark.parametrize(
+    "off,on,want",
+    [
+        ([10.0, 10.1, 10.2], [9.0, 9.1, 9.2], "faster"),  # ranges disjoint
+        ([10.0, 11.0, 12.0], [9.9, 10.9, 11.9], "faster"),  # overlap, every repeat faster
+        ([10.0, 11.0, 12.0], [10.1, 10.9, 12.0], "within spread"),
+        ([10.0, 11.0, 12.0], [10.1, 11.1, 12.1], "slower"),  # every repeat slower
+        ([10.0, 10.1], [10.5, 10.6], "slower"),
+        ([], [9.0], "no decode-step time"),
+    ],
+)
+def test_verdict(off, on, want):
+    assert verdict(_cell(1, 1000, off) if off else {}, _cell(1, 1000, on)) == want
+
+
+def test_pairs_know_which_engine_ran_first_and_skip_other_variants(tmp_path):
+    a = _file(
+        tmp_path,
+        "a.json",
+        "aaaaaaa",
+        [
+            _run("on", [_cell(1, 1000, [9.0, 9.1]), _cell(32, 4000, [20.0, 20.1])]),
+            _run("off", [_cell(1, 1000, [10.0, 10.1])]),  # 32 x 4000 not run: no pair
+        ],
+    )
+    b = _file(
+        tmp_path,
+        "b.json",
+        "bbbbbbb (+ a note)",
+        [
+            _run("epi", [_cell(1, 1000, [8.0, 8.1])]),
+            _run("off", [_cell(1, 1000, [10.0, 10.1])]),
+            _run("on", [_cell(1, 1000, [10.3, 10.4])]),
+            _run("on-x", [_cell(1, 1000, [10.0, 10.1])], fused=0),
+        ],
+    )
+    rows = pairs_of([a, b, tmp_path / "missing.json"])
+    assert [(r["commit"], r["variant"], r["first"], r["fused"], r["verdict"]) for r in rows] == [
+        ("aaaaaaa", "on", "on", True, "faster"),
+        ("bbbbbbb", "on", "off", True, "slower"),
+        ("bbbbbbb", "on-x", "off", False, "within spread"),
+    ]
+    assert rows[0]["change_pct"] == pytest.approx(-10.0, abs=0.6)
+    text = grid(rows)
+    (line,) = [x for x in text.splitlines() if x.startswith("| tp8 | auto | 1 | 1000 |")]
+    assert "aaaaaaa on first" in line and "bbbbbbb off first" in line
+    assert "fallback: bbbbbbb on-x within spread" in line
+    assert line.endswith("| yes | yes |")
+    (line,) = [x for x in text.splitlines() if x.startswith("| tp8 | auto | 32 | 4000 |")]
+    assert line.endswith("| - | **missing** | **missing** |")
+    assert "slower beyond the repeats' spread: b.json B=1" in text
+
+
+def test_the_committed_pairs():
+    """The README's claim, checked on the committed files: no fused pair's decode step is
+    slower than off beyond the repeats' spread, and every cell of the grid has a pair."""
+    files = sorted(RESULTS.glob("h200_vllm033_depth_*.json"))
+    rows = pairs_of(files)
+    fused = [r for r in rows if r["fused"]]
+    assert fused, files
+    assert not [r for r in fused if r["verdict"] == "slower"]
+    for (shard, kv), cells in GRID.items():
+        for batch, ctx in cells:
+            assert any(
+                (r["shard"], r["kv"], r["batch"], r["context"]) == (shard, kv, batch, ctx)
+                and r["verdict"] != "no decode-step time"
+                for r in fused
+            ), (shard, kv, batch, ctx)
