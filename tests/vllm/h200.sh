@@ -36,6 +36,10 @@ OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$RUN" "$OUTDIR"
 # the commit under test: $VG/commit (written here before the call, carried), kept for later calls
 [[ -f $VG/commit ]] && cp "$VG/commit" "$RUN/commit"
+# gpu_env.sh likewise: every call lays the working tree anew, so a later call that did not carry
+# it (a second `depth` in the same lease) takes the copy the first one kept on the machine
+if [[ -f $VG/gpu_env.sh ]]; then cp "$VG/gpu_env.sh" "$RUN/gpu_env.sh"
+elif [[ -f $RUN/gpu_env.sh ]]; then mkdir -p "$VG" && cp "$RUN/gpu_env.sh" "$VG/gpu_env.sh"; fi
 commit=$(cat "$RUN/commit" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 case ${1:-} in
