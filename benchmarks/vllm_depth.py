@@ -1140,6 +1140,9 @@ GRID = {
 }
 
 
+VERDICTS = ("faster", "within spread", "slower", "no decode-step time")
+
+
 def verdict(off: dict, on: dict) -> str:
     """One cell of one pair, judged on the engine core's decode step: "faster" / "slower" when
     the 5 repeats' ranges are disjoint, or when repeat i of one engine beat repeat i of the
@@ -1252,10 +1255,14 @@ def grid(rows: list) -> str:
             lines.append(
                 f"| {shard} | {kv} | {batch} | {ctx} | {text or '-'} | {first} | {second} |"
             )
-    slower = [r for r in rows if r["fused"] and r["verdict"] == "slower"]
+    fused = [r for r in rows if r["fused"]]
+    slower = [r for r in fused if r["verdict"] == "slower"]
+    counts = {v: sum(r["verdict"] == v for r in fused) for v in VERDICTS}
     lines.append("")
     lines.append(
-        f"fused pairs: {sum(r['fused'] for r in rows)}, slower beyond the repeats' spread: "
+        "fused pairs (cells): "
+        + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+        + "; slower beyond the repeats' spread: "
         + (", ".join(f"{r['file']} B={r['batch']}" for r in slower) if slower else "none")
     )
     return "\n".join(lines)

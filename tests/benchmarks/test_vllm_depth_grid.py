@@ -89,7 +89,7 @@ def test_pairs_know_which_engine_ran_first_and_skip_other_variants(tmp_path):
     assert line.endswith("| yes | yes |")
     (line,) = [x for x in text.splitlines() if x.startswith("| tp8 | auto | 32 | 4000 |")]
     assert line.endswith("| - | **missing** | **missing** |")
-    assert "slower beyond the repeats' spread: b.json B=1" in text
+    assert "1 faster, 1 slower; slower beyond the repeats' spread: b.json B=1" in text
 
 
 def test_the_committed_pairs():
