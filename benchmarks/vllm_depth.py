@@ -1131,8 +1131,9 @@ def compare(runs: list) -> str:
     return "\n".join(lines)
 
 
-# issue 20's grid: per shard and KV-cache dtype, the cells (batch, context) every committed
-# pair is placed in; each needs a pair with the plugin first and one with it second
+# the full-depth grid (docs/method.md): per shard and KV-cache dtype, the cells (batch, context)
+# every committed pair is placed in; each needs a pair with the plugin first and one with it
+# second (another lease)
 GRID = {
     ("tp8", "auto"): [(1, 1000), (8, 1000), (32, 1000), (128, 1000), (1, 4000), (32, 4000)],
     ("ep8", "auto"): [(1, 1000), (8, 1000), (32, 1000), (128, 1000), (1, 4000), (32, 4000)],
@@ -1166,9 +1167,10 @@ def verdict(off: dict, on: dict) -> str:
 
 
 def pairs_of(files) -> list:
-    """Every (off, plugin-on variant) pair in the committed results files, one row per cell:
-    which engine ran first (a file is one lease, its engines in the order they ran), the change
-    of the decode step and its verdict. A variant that fused no layer is a fallback."""
+    """Every (off, plugin-on variant: a name starting with "on") pair in the committed results
+    files, one row per cell: which engine ran first (a file is one lease, its engines in the
+    order they ran), the change of the decode step and its verdict. A variant that fused no
+    layer is a fallback."""
     rows = []
     for p in files:
         try:
@@ -1217,7 +1219,7 @@ def pairs_of(files) -> list:
 
 
 def grid(rows: list) -> str:
-    """Issue 20's grid from :func:`pairs_of`'s rows: per cell, every fused pair (commit, which
+    """The full-depth grid (:data:`GRID`) from :func:`pairs_of`'s rows: per cell, every fused pair (commit, which
     engine ran first, change, verdict), the orders still missing, and the fallbacks apart."""
     lines = [
         "| shard | kv | B | context | pairs (commit, first, decode step off -> on, verdict) "
@@ -1416,7 +1418,7 @@ def main() -> None:
     lat.add_argument("--cache-root", default=None)
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
-    g = sub.add_parser("grid", help="issue 20's grid from the committed results files")
+    g = sub.add_parser("grid", help="every committed off/on pair by cell of the full-depth grid")
     g.add_argument(
         "files",
         nargs="*",

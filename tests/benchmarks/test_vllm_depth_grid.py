@@ -1,4 +1,4 @@
-"""benchmarks/vllm_depth.py's grid: every committed off/on pair placed in issue 20's cells,
+"""benchmarks/vllm_depth.py's grid: every committed off/on pair placed in the full-depth grid's cells,
 judged on the engine core's decode step, with the orders still missing."""
 
 from __future__ import annotations
