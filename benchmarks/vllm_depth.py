@@ -1050,6 +1050,13 @@ def table(runs: list) -> str:
     return "\n".join(lines)
 
 
+def repeat_medians(cell: dict) -> list | None:
+    """The engine core's decode step per repeat of ``cell`` (each repeat's median, ms), or
+    None where a repeat lacks it (files from before it was recorded)."""
+    xs = [(r or {}).get("median_ms") for r in cell.get("core_step") or []]
+    return xs if xs and None not in xs else None
+
+
 def compare(runs: list) -> str:
     """Every plugin-on variant against off per cell (same shard, B, context, cache dtype,
     sampling): the change of each measure in percent of off (negative: the plugin is faster),
@@ -1090,9 +1097,8 @@ def compare(runs: list) -> str:
         decode the same tokens in repeat i (the same-tokens column says how far), so their MoE
         routing is the same there, while it moves from one repeat to the next; the spread
         across repeats then says nothing about on against off, the paired difference does."""
-        a = [(r or {}).get("median_ms") for r in off.get("core_step") or []]
-        b = [(r or {}).get("median_ms") for r in on.get("core_step") or []]
-        if not a or len(a) != len(b) or None in a or None in b:
+        a, b = repeat_medians(off), repeat_medians(on)
+        if not a or not b or len(a) != len(b):
             return ""
         d = [y - x for x, y in zip(a, b)]
         return f"{min(d):+.3f} to {max(d):+.3f} ms ({sum(x < 0 for x in d)}/{len(d)} faster)"
@@ -1149,9 +1155,8 @@ def verdict(off: dict, on: dict) -> str:
     the 5 repeats' ranges are disjoint, or when repeat i of one engine beat repeat i of the
     other in every repeat (both decode the same tokens in repeat i); else "within spread".
     "no decode-step time" where the file predates it (TPOT by difference only)."""
-    a = [(r or {}).get("median_ms") for r in off.get("core_step") or []]
-    b = [(r or {}).get("median_ms") for r in on.get("core_step") or []]
-    if not a or not b or None in a or None in b:
+    a, b = repeat_medians(off), repeat_medians(on)
+    if not a or not b:
         return "no decode-step time"
     if max(b) < min(a):
         return "faster"
