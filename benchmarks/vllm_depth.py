@@ -763,6 +763,9 @@ VARIANT_PARTS = {
     # fused on FLASHMLA under full graphs whatever the cache (the plugin leaves a bf16 cache
     # there to vLLM; vLLM 0.33's adapter fuses an FP8 cache by default since de9c208)
     "flashmla": {"FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"},
+    # the plugin installed, every layer on vLLM's own path (the wrapper's fallback): what a
+    # fallback costs against off, with no fusemla kernel in the step ("on-vllm")
+    "vllm": {"FUSEMLA_FUSED_DECODE": "0", "FUSEMLA_FUSED_PREFILL": "0"},
 }
 
 

@@ -28,6 +28,10 @@ from benchmarks.vllm_depth import compare, engine_env, variant_env
             },
         ),
         ("fp8", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_W_UK": "fp8"}),
+        (
+            "on-vllm",
+            {"FUSEMLA_VLLM": "1", "FUSEMLA_FUSED_DECODE": "0", "FUSEMLA_FUSED_PREFILL": "0"},
+        ),
         ("on-flashmla", {"FUSEMLA_VLLM": "1", "FUSEMLA_VLLM_FORCE_BACKENDS": "FLASHMLA"}),
     ],
 )
