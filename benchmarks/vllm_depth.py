@@ -1177,8 +1177,10 @@ def verdict(off: dict, on: dict) -> str:
 def pairs_of(files) -> list:
     """Every (off, plugin-on variant: a name starting with "on") pair in the committed results
     files, one row per cell: which engine ran first (a file is one lease, its engines in the
-    order they ran), the change of the decode step and its verdict. A variant that fused no
-    layer is a fallback."""
+    order they ran), the change of the decode step and its verdict. A variant pairs with the
+    nearest off engine before it (off first) and the nearest after it (on first), so an
+    ``off,on,off`` lease times both orders with three engines. A variant that fused no layer
+    is a fallback."""
     rows = []
     for p in files:
         try:
@@ -1190,39 +1192,47 @@ def pairs_of(files) -> list:
             continue
         commit = str(d.get("commit") or "?").split()[0]
         offs = [i for i, r in enumerate(runs) if r.get("variant") == "off"]
-        if not offs:
-            continue
-        i_off = offs[0]
         for i, r in enumerate(runs):
             v = r.get("variant", "")
             if not v.startswith("on"):
                 continue
-            st = r.get("plugin_after_start") or {}
-            kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
-            by = {(c["batch"], c["context"], c.get("sampling")): c for c in runs[i_off]["cells"]}
-            for c in r["cells"]:
-                o = by.get((c["batch"], c["context"], c.get("sampling")))
-                if o is None:
-                    continue
-                a, b = o.get("core_step_median_ms"), c.get("core_step_median_ms")
-                rows.append(
-                    {
-                        "shard": _shard(r),
-                        "kv": kv,
-                        "batch": c["batch"],
-                        "context": c["context"],
-                        "commit": commit,
-                        "file": Path(p).name,
-                        "variant": v,
-                        "sampling": c.get("sampling"),
-                        "first": "on" if i < i_off else "off",
-                        "fused": bool(st.get("layers_fused")),
-                        "off_ms": a,
-                        "on_ms": b,
-                        "change_pct": None if not a or b is None else 100 * (b - a) / a,
-                        "verdict": verdict(o, c),
-                    }
-                )
+            before = [j for j in offs if j < i][-1:]
+            after = [j for j in offs if j > i][:1]
+            for i_off in before + after:
+                rows += _pair_rows(commit, Path(p).name, runs[i_off], r, i < i_off)
+    return rows
+
+
+def _pair_rows(commit: str, file: str, off: dict, on: dict, on_first: bool) -> list:
+    """One row per cell both engines ran (same B, context and sampling): :func:`pairs_of`."""
+    rows = []
+    v = on.get("variant", "")
+    st = on.get("plugin_after_start") or {}
+    kv = on.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
+    by = {(c["batch"], c["context"], c.get("sampling")): c for c in off["cells"]}
+    for c in on["cells"]:
+        o = by.get((c["batch"], c["context"], c.get("sampling")))
+        if o is None:
+            continue
+        a, b = o.get("core_step_median_ms"), c.get("core_step_median_ms")
+        rows.append(
+            {
+                "shard": _shard(on),
+                "kv": kv,
+                "batch": c["batch"],
+                "context": c["context"],
+                "commit": commit,
+                "file": file,
+                "variant": v,
+                "sampling": c.get("sampling"),
+                "first": "on" if on_first else "off",
+                "fused": bool(st.get("layers_fused")),
+                "off_ms": a,
+                "on_ms": b,
+                "change_pct": None if not a or b is None else 100 * (b - a) / a,
+                "verdict": verdict(o, c),
+            }
+        )
     return rows
 
 

@@ -92,6 +92,36 @@ def test_pairs_know_which_engine_ran_first_and_skip_other_variants(tmp_path):
     assert "1 faster, 1 slower; slower beyond the repeats' spread: b.json B=1" in text
 
 
+def test_an_off_on_off_lease_times_both_orders(tmp_path):
+    """The on engine pairs with the off before it (off first) and the off after it (on first),
+    each on the cells both ran; a second on engine pairs with its own neighbours only."""
+    a = _file(
+        tmp_path,
+        "aba.json",
+        "ccccccc",
+        [
+            _run("off", [_cell(128, 1000, [40.0, 40.1]), _cell(32, 4000, [36.0, 36.1])], 128),
+            _run("on", [_cell(128, 1000, [39.0, 39.1]), _cell(32, 4000, [36.5, 36.6])], 128),
+            _run("off", [_cell(128, 1000, [40.2, 40.3])], 128),  # the deadline cut 32 x 4000
+            _run("on-vllm", [_cell(128, 1000, [40.2, 40.3])], 128, fused=0),
+        ],
+    )
+    rows = pairs_of([a])
+    assert [(r["variant"], r["batch"], r["first"], r["verdict"]) for r in rows] == [
+        ("on", 128, "off", "faster"),
+        ("on", 32, "off", "slower"),
+        ("on", 128, "on", "faster"),
+        ("on-vllm", 128, "off", "within spread"),
+    ]
+    assert rows[2]["off_ms"] == pytest.approx(40.3) and rows[0]["off_ms"] == pytest.approx(40.1)
+    text = grid(rows)
+    (line,) = [x for x in text.splitlines() if x.startswith("| ep8 | auto | 128 | 1000 |")]
+    assert "ccccccc off first" in line and "ccccccc on first" in line
+    assert line.endswith("| yes | yes |")
+    (line,) = [x for x in text.splitlines() if x.startswith("| ep8 | auto | 32 | 4000 |")]
+    assert line.endswith("| **missing** | yes |")
+
+
 def test_the_committed_pairs():
     """The README's claim, checked on the committed files: no fused pair's decode step is
     slower than off beyond the repeats' spread, and every cell of the grid has a pair."""
