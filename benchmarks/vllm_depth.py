@@ -500,13 +500,50 @@ def cells_of(args) -> list:
     return out
 
 
-def cell_fits(now: float, stop_at: float, warm_s: float, ratio: float | None) -> bool:
-    """Whether a cell may start at ``now`` and end by ``stop_at`` (0: no limit): its cost is
-    estimated as its warm-up call's time ``warm_s`` times the largest cell-to-warm-up ratio of
-    the cells this engine has run (``ratio``; None before the first, which always runs)."""
-    if not stop_at or ratio is None:
+def cell_fits(now: float, stop_at: float, estimate_s: float | None) -> bool:
+    """Whether a cell may start at ``now`` and end by ``stop_at`` (0: no limit), its cost
+    estimated by :func:`cell_estimate` (None before the engine's first cell, which always runs)."""
+    if not stop_at or estimate_s is None:
         return True
-    return now + ratio * warm_s <= stop_at
+    return now + estimate_s <= stop_at
+
+
+def cell_estimate(
+    warm_s: float, batch: int, seen: list, repeats: int, steps: int, modes: int = 1
+) -> float | None:
+    """A cell's expected time from its warm-up call (``warm_s``: the second short call at its
+    B and context, the first having paid the shape's one-time costs) and the cells this engine
+    ran (``seen``: :func:`cell_cost`'s dicts; None while empty). Per sampling mode a cell makes
+    ``repeats`` short and long calls and one more prefill for its profile, each about a
+    warm-up, and ``repeats x steps`` extra decode steps (long - short), priced at the slowest
+    step seen scaled up by sqrt(B / B seen) where B is larger (the step grows slower than that
+    at full depth: 7.5 / 12.2 / 24.0 / 30.7 ms at B = 1 / 8 / 32 / 128 on the TP8 shard,
+    14.9 / 30.4 / 33.9 / 42.3 on EP8); plus the largest fixed cost seen (profiler, collective
+    RPCs), all with a 25 % margin. (Until 991c82e the estimate was the
+    warm-up times the largest cell / warm-up ratio seen: a decode-bound cell's ratio (~30 at
+    B = 8) priced the prefill-bound 32 x 4000 at 292 s against its 58, and two TP8 cells that
+    fit were skipped.)"""
+    if not seen:
+        return None
+    step = max(s["step_s"] * max(1.0, batch / s["batch"]) ** 0.5 for s in seen)
+    fixed = max(s["fixed_s"] for s in seen)
+    return 1.25 * modes * ((2 * repeats + 1) * warm_s + repeats * steps * step) + fixed
+
+
+def cell_cost(
+    batch: int, total_s: float, warm_s: float, walls: list, steps: int, modes: int = 1
+) -> dict:
+    """What :func:`cell_estimate` learns from a cell that ran: its decode step (the median over
+    repeats of (long call - short call) / ``steps``) and its fixed cost (``total_s`` less its
+    calls (``walls``: [short s, long s, ...] per repeat of all ``modes``) and one warm-up's
+    prefill per mode for the profile, at least 0)."""
+    per = sorted((w[1] - w[0]) / steps for w in walls)
+    calls = sum(w[0] + w[1] for w in walls)
+    return {
+        "batch": batch,
+        "step_s": max(per[len(per) // 2], 0.0) if per else 0.0,
+        "fixed_s": max(total_s - calls - modes * warm_s, 0.0),
+    }
 
 
 def first_engine_stop(up: float, end: float, later: int, later_start_s: float) -> float:
@@ -621,20 +658,24 @@ def engine_main(args) -> None:
         return dt, [list(o.outputs[0].token_ids) for o in outs]
 
     grid = cells_of(args)
-    # warm-up: one short call per cell (first-call allocations, JIT of sampling kernels); its
-    # time sizes the cell against --stop-at
+    # warm-up: a short call per cell (first-call allocations, JIT of sampling kernels, the
+    # shape's MoE configs); under a deadline a second one (fresh prompts: no prefix-cache hit)
+    # prices the cell against --stop-at (cell_estimate)
     warm = {}
     for b, ctx in grid:
-        dt, _ = timed(prompts_for(b, ctx, vocab, "warm"), params("greedy", args.short, b))
+        for k in range(2 if args.stop_at else 1):
+            dt, _ = timed(prompts_for(b, ctx, vocab, f"warm/{k}"), params("greedy", args.short, b))
         warm[(b, ctx)] = dt
-    ratio = None  # the largest (cell time / its warm-up time) seen
+    res["warm_s"] = {f"{b}x{c}": round(t, 4) for (b, c), t in warm.items()}
+    seen: list = []  # cell_cost of the cells run
+    steps = args.long - args.short
     res["skipped_cells"] = []
     for b, ctx in grid:
-        if not cell_fits(time.time(), args.stop_at, warm[(b, ctx)], ratio):
-            est = round(ratio * warm[(b, ctx)], 1)
-            res["skipped_cells"].append({"cell": f"{b}x{ctx}", "estimated_s": est})
+        est = cell_estimate(warm[(b, ctx)], b, seen, args.repeats, steps, len(args.sampling))
+        if not cell_fits(time.time(), args.stop_at, est):
+            res["skipped_cells"].append({"cell": f"{b}x{ctx}", "estimated_s": round(est, 1)})
             print(
-                f"[depth] {args.variant} {b}x{ctx} skipped: ~{est} s would end past --stop-at",
+                f"[depth] {args.variant} {b}x{ctx} skipped: ~{est:.1f} s would end past --stop-at",
                 flush=True,
             )
             continue
@@ -710,7 +751,15 @@ def engine_main(args) -> None:
             res["cells"].append(cell)
             if args.out:  # written after every cell: a lease may end mid-run
                 Path(args.out).write_text(json.dumps(res, indent=1))
-        ratio = max(ratio or 0.0, (time.time() - t_cell) / max(warm[(b, ctx)], 1e-3))
+        took = time.time() - t_cell
+        walls = [
+            w for c in res["cells"] if (c["batch"], c["context"]) == (b, ctx) for w in c["walls_s"]
+        ]
+        seen.append(cell_cost(b, took, warm[(b, ctx)], walls, steps, len(args.sampling)))
+        # each cell's estimate beside what it took, to judge cell_estimate (None: the first)
+        res.setdefault("cell_times", []).append(
+            {"cell": f"{b}x{ctx}", "estimated_s": est and round(est, 1), "took_s": round(took, 1)}
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -10,11 +10,48 @@ import pytest
 import benchmarks.vllm_depth as vd
 
 
-def test_a_cell_fits_by_the_largest_ratio_seen():
-    assert vd.cell_fits(100.0, 0.0, 50.0, 9.0)  # no limit
-    assert vd.cell_fits(100.0, 120.0, 50.0, None)  # nothing measured yet: the first cell runs
-    assert vd.cell_fits(100.0, 200.0, 10.0, 10.0)  # 100 + 100 = 200: ends on time
-    assert not vd.cell_fits(100.0, 199.0, 10.0, 10.0)
+def test_a_cell_fits_by_its_estimate():
+    assert vd.cell_fits(100.0, 0.0, 500.0)  # no limit
+    assert vd.cell_fits(100.0, 120.0, None)  # nothing measured yet: the first cell runs
+    assert vd.cell_fits(100.0, 200.0, 100.0)  # 100 + 100 = 200: ends on time
+    assert not vd.cell_fits(100.0, 199.0, 100.0)
+
+
+def test_cell_cost_reads_the_decode_step_and_the_fixed_cost():
+    # 3 repeats: short calls 1 s, long calls 1 s + 128 steps of 10 / 12 / 50 ms (median 12)
+    walls = [[1.0, 2.28, 0.0], [1.0, 2.536, 0.0], [1.0, 7.4, 0.0]]
+    c = vd.cell_cost(8, 30.0, 1.0, walls, 128)
+    assert c["batch"] == 8 and c["step_s"] == pytest.approx(0.012)
+    assert c["fixed_s"] == pytest.approx(30.0 - (3.0 + 2.28 + 2.536 + 7.4) - 1.0)
+    assert vd.cell_cost(8, 1.0, 1.0, walls, 128)["fixed_s"] == 0.0  # never negative
+    # two sampling modes: one profile prefill each
+    assert vd.cell_cost(8, 40.0, 1.0, walls + walls, 128, modes=2)["fixed_s"] == pytest.approx(
+        40.0 - 2 * (3.0 + 2.28 + 2.536 + 7.4) - 2.0
+    )
+
+
+def test_cell_estimate_prices_prefill_and_decode_apart():
+    """The H200 TP8 lease of 991c82e: after 8 x 1000 (decode step ~12.8 ms) and 1 x 4000, the
+    prefill-bound 32 x 4000 (warm-up ~4.1 s, ~58 s in e8032df) must not be priced as the old
+    ratio rule did (~292 s), nor below what it takes."""
+    assert vd.cell_estimate(4.1, 32, [], 5, 128) is None  # the first cell always runs
+    seen = [
+        {"batch": 8, "step_s": 0.0128, "fixed_s": 3.0},
+        {"batch": 1, "step_s": 0.0077, "fixed_s": 2.0},
+    ]
+    est = vd.cell_estimate(4.1, 32, seen, 5, 128)
+    assert 58.0 < est < 120.0
+    # B = 32 priced at the slowest of the B = 8 step x 2 and the B = 1 step x sqrt(32); a
+    # smaller B at the slowest step seen, unscaled
+    assert est == pytest.approx(1.25 * (11 * 4.1 + 5 * 128 * 0.0077 * 32**0.5) + 3.0)
+    assert vd.cell_estimate(4.1, 32, seen[:1], 5, 128) == pytest.approx(
+        1.25 * (11 * 4.1 + 5 * 128 * 0.0128 * 2) + 3.0
+    )
+    assert vd.cell_estimate(0.3, 1, seen, 5, 128) == pytest.approx(
+        1.25 * (11 * 0.3 + 5 * 128 * 0.0128) + 3.0
+    )
+    # two sampling modes cost twice the calls, the fixed cost once (it is measured per cell)
+    assert vd.cell_estimate(4.1, 32, seen, 5, 128, modes=2) == pytest.approx(2 * (est - 3.0) + 3.0)
 
 
 def test_completed_cells_once_each_in_order():
