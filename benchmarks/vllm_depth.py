@@ -1286,13 +1286,15 @@ def _pair_rows(commit: str, file: str, off: dict, on: dict, on_first: bool) -> l
 
 
 def grid(rows: list) -> str:
-    """The full-depth grid (:data:`GRID`) from :func:`pairs_of`'s rows: per cell, every fused pair (commit, which
-    engine ran first, change, verdict), the orders still missing, and the fallbacks apart."""
+    """The full-depth grid (:data:`GRID`) from :func:`pairs_of`'s rows: per cell, every fused
+    pair (commit, which engine ran first, change, verdict), the orders still missing, and the
+    fallbacks apart; then the ``pair`` arguments that would fill the missing orders."""
     lines = [
         "| shard | kv | B | context | pairs (commit, first, decode step off -> on, verdict) "
         "| plugin first | plugin second |",
         "|---|---|---|---|---|---|---|",
     ]
+    todo: dict = {}  # (shard, kv, order) -> the cells still missing that order
     for (shard, kv), cells in GRID.items():
         for batch, ctx in cells:
             mine = [
@@ -1321,6 +1323,9 @@ def grid(rows: list) -> str:
             timed = [r for r in fused if r["verdict"] != "no decode-step time"]
             first = "yes" if any(r["first"] == "on" for r in timed) else "**missing**"
             second = "yes" if any(r["first"] == "off" for r in timed) else "**missing**"
+            for order, have in (("on,off", first), ("off,on", second)):
+                if have != "yes":
+                    todo.setdefault((shard, kv, order), []).append(f"{batch}x{ctx}")
             lines.append(
                 f"| {shard} | {kv} | {batch} | {ctx} | {text or '-'} | {first} | {second} |"
             )
@@ -1334,6 +1339,14 @@ def grid(rows: list) -> str:
         + "; slower beyond the repeats' spread: "
         + (", ".join(f"{r['file']} B={r['batch']}" for r in slower) if slower else "none")
     )
+    # the pairs that fill the missing orders, as `pair` arguments (one lease each, or joined
+    # by " + " in one tests/vllm/h200.sh depth job)
+    for (shard, kv, order), cells in todo.items():
+        lines.append(
+            f"to run: --shard {shard}"
+            + ("" if kv == "auto" else f" --kv-cache-dtype {kv}")
+            + f" --order {order} --cells {' '.join(cells)} --sampling seeded --repeats 5"
+        )
     return "\n".join(lines)
 
 

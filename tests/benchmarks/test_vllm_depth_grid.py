@@ -90,6 +90,19 @@ def test_pairs_know_which_engine_ran_first_and_skip_other_variants(tmp_path):
     (line,) = [x for x in text.splitlines() if x.startswith("| tp8 | auto | 32 | 4000 |")]
     assert line.endswith("| - | **missing** | **missing** |")
     assert "1 faster, 1 slower; slower beyond the repeats' spread: b.json B=1" in text
+    # the pairs that would fill the missing orders, per shard, cache and order
+    todo = [x for x in text.splitlines() if x.startswith("to run: ")]
+    assert "to run: --shard tp8 --order off,on --cells 8x1000 32x1000 128x1000 1x4000 32x4000 " in (
+        "\n".join(todo) + " "
+    )
+    assert any(
+        x.startswith(
+            "to run: --shard tp8 --kv-cache-dtype fp8 --order on,off --cells 1x1000 32x1000"
+        )
+        for x in todo
+    )
+    assert not any("--cells 1x1000 " in x and "tp8 --order" in x for x in todo)  # 1 x 1000 has both
+    assert len(todo) == 6  # 3 (shard, cache) x 2 orders, each missing somewhere
 
 
 def test_an_off_on_off_lease_times_both_orders(tmp_path):
