@@ -889,6 +889,9 @@ def pair_main(args) -> None:
         variant_env(variant)
     t_pair = time.time()
     end = t_pair + args.deadline_s if args.deadline_s else 0.0
+    end_at = getattr(args, "end_at", 0.0)  # --end-at: the lease's end, whatever came before
+    if end_at:
+        end = min(end, end_at) if end else end_at
     cells = list(getattr(args, "cells", None) or [])
     first_cells_s = 0.0  # the first engine's time from up to done
     for i, variant in enumerate(order):
@@ -960,7 +963,7 @@ def pair_main(args) -> None:
             res["memory"] = memory_of_log((out_dir / f"{tag}.log").read_text(errors="replace"))
             js.write_text(json.dumps(res, indent=1))
             print(f"[depth] {tag} memory: {json.dumps(res['memory'])}", flush=True)
-            if i == 0 and args.deadline_s:
+            if i == 0 and end:
                 first_cells_s = max(time.time() - t0 - res.get("engine_start_s", 0.0), 0.0)
                 cells = completed_cells(res)
                 print(f"[depth] the next engines run the cells {tag} ran: {cells}", flush=True)
@@ -1477,6 +1480,14 @@ def main() -> None:
                 "engine, once up, leaves each later one --later-start-s and as much time for "
                 "cells as it takes itself, skipping the cells that would not fit; the others "
                 "run the cells the first ran (0: no limit)",
+            )
+            e.add_argument(
+                "--end-at",
+                type=float,
+                default=0.0,
+                help="the whole pair by this time (seconds since the epoch), with --deadline-s "
+                "the earlier of the two: jobs queued one after the other in one lease end by "
+                "the lease's end, however long the ones before them took (0: none)",
             )
         e.add_argument(
             "--later-start-s",

@@ -154,6 +154,21 @@ def test_no_deadline_runs_every_cell_in_every_engine(tmp_path, engines):
     assert [c["stop_at"] for c in engines] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("deadline_s", [0.0, 1000.0, 200.0])
+def test_end_at_caps_the_deadline(tmp_path, engines, deadline_s):
+    """--end-at (a lease's end) bounds the pair as a deadline would, whichever comes first; the
+    second engine then runs only what the first ran, as under --deadline-s."""
+    end_at = time.time() + 500.0
+    args = _pair_args(tmp_path, deadline_s)
+    args.end_at = end_at
+    vd.pair_main(args)
+    first, second = engines
+    want = min(end_at, time.time() + deadline_s) if deadline_s else end_at
+    assert second["stop_at"] == pytest.approx(want, abs=5.0)
+    assert first["later"] == 1
+    assert second["cells"] == ["1x16", "2x16"]
+
+
 def test_a_first_engine_that_ran_nothing_ends_the_pair(tmp_path, engines, monkeypatch):
     args = _pair_args(tmp_path, 1000.0)
     args.cells = ["128x16"]

@@ -8,7 +8,8 @@
 #   bash tests/vllm/h200.sh bench     # benchmarks/bench_vllm.py (TPOT on vs off), JSON to $OUT
 #   bash tests/vllm/h200.sh depth NAME [pair args] [+ latency args ...]   # the full-depth
 #                                     # benchmark's jobs one after the other, in the background,
-#                                     # from their own copy of the checkout
+#                                     # from their own copy of the checkout; DEPTH_END_IN=S: every
+#                                     # pair ends within S s from now (what the lease has left)
 #   bash tests/vllm/h200.sh then-depth NAME [args]  # after start: that depth job once the suite is done
 #   bash tests/vllm/h200.sh depth-wait N [NAME]   # wait up to N s for job NAME; its JSON + logs to $OUT
 #   bash tests/vllm/h200.sh kernels [paths]   # the kernel + layer suite (--device=cuda, the
@@ -80,6 +81,10 @@ case ${1:-} in
     # "benchmarks/SCRIPT.py ARGS" or "-m MODULE ARGS" (given --out-dir /tmp/depth_out/NAME_N)
     job=/tmp/depth_out/job_$name.sh
     echo "cd /tmp/depth_src" > $job
+    # DEPTH_END_IN=S: every pair of the job ends within S seconds from now (--end-at), each
+    # with what the jobs before it left: say how much of the lease is left when starting it
+    end_at=""
+    [[ -n ${DEPTH_END_IN:-} ]] && end_at=" --end-at $(( $(date +%s) + DEPTH_END_IN ))"
     line="" n=0
     for a in "${@:3}" +; do
       if [[ $a == + ]]; then
@@ -88,6 +93,7 @@ case ${1:-} in
           # another script, or a module (-m benchmarks.bench_epilogue ...): its own output folder
           echo "bash $VG/gpu_env.sh run -- python3$line --out-dir /tmp/depth_out/${name}_$n" >> $job
         else
+          [[ $line == " pair "* ]] && line+=$end_at
           echo "bash $VG/gpu_env.sh run -- python3 benchmarks/vllm_depth.py$line --out-dir /tmp/depth_out --tag ${name}_$n --cache-root /tmp/depth_cache" >> $job
         fi
         line="" n=$((n + 1))
