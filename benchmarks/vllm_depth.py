@@ -519,10 +519,9 @@ def cell_estimate(
     step seen scaled up by sqrt(B / B seen) where B is larger (the step grows slower than that
     at full depth: 7.5 / 12.2 / 24.0 / 30.7 ms at B = 1 / 8 / 32 / 128 on the TP8 shard,
     14.9 / 30.4 / 33.9 / 42.3 on EP8); plus the largest fixed cost seen (profiler, collective
-    RPCs), all with a 25 % margin. (Until 991c82e the estimate was the
-    warm-up times the largest cell / warm-up ratio seen: a decode-bound cell's ratio (~30 at
-    B = 8) priced the prefill-bound 32 x 4000 at 292 s against its 58, and two TP8 cells that
-    fit were skipped.)"""
+    RPCs), all with a 25 % margin. (Until 991c82e the estimate was the warm-up times the
+    largest cell / warm-up ratio seen: a decode-bound cell's ratio priced the prefill-bound
+    TP8 32 x 4000 at ~292 s against its ~58, and two cells that fit were skipped.)"""
     if not seen:
         return None
     step = max(s["step_s"] * max(1.0, batch / s["batch"]) ** 0.5 for s in seen)
