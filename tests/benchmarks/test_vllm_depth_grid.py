@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import benchmarks.vllm_depth as vd
 from benchmarks.vllm_depth import GRID, grid, pairs_of, verdict
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -133,6 +134,40 @@ def test_an_off_on_off_lease_times_both_orders(tmp_path):
     assert line.endswith("| yes | yes |")
     (line,) = [x for x in text.splitlines() if x.startswith("| ep8 | auto | 32 | 4000 |")]
     assert line.endswith("| **missing** | yes |")
+
+
+def test_a_pair_before_the_cells_kernel_change_is_listed_not_counted(tmp_path, monkeypatch):
+    """KERNEL_SINCE: on the FP8-cache rows a pair of a commit older than the FP8-query
+    prologue's change is marked and does not fill an order; the same pair on a bf16 row does."""
+    runs = [
+        _run("off", [_cell(1, 1000, [10.0, 10.1])], kv="fp8"),
+        _run("on", [_cell(1, 1000, [9.0, 9.1])], kv="fp8"),
+    ]
+    old = _file(tmp_path, "old.json", "0ld0000", runs)
+    bf16 = _file(
+        tmp_path,
+        "bf16.json",
+        "0ld0000",
+        [dict(r, engine={"attention": {"kv_cache_dtype": "auto"}}) for r in runs],
+    )
+    monkeypatch.setattr(vd, "descends", lambda commit, since: commit != "0ld0000")
+    text = grid(pairs_of([old, bf16]))
+    (line,) = [x for x in text.splitlines() if x.startswith("| tp8 | fp8 | 1 | 1000 |")]
+    assert f"0ld0000 (before {vd.KERNEL_SINCE[('tp8', 'fp8')]}) off first" in line
+    assert line.endswith("| **missing** | **missing** |")
+    (line,) = [x for x in text.splitlines() if x.startswith("| tp8 | auto | 1 | 1000 |")]
+    assert "(before" not in line and line.endswith("| **missing** | yes |")
+    assert "to run: --shard tp8 --kv-cache-dtype fp8 --order off,on --cells 1x1000 32x1000" in text
+
+
+def test_descends_reads_the_history():
+    since = vd.KERNEL_SINCE[("tp8", "fp8")]
+    if vd.descends("HEAD", since) is None:
+        pytest.skip("no git history here")
+    assert vd.descends("HEAD", since) is True
+    assert vd.descends("4f5ec9c", since) is True  # the FP8 pair with the current prologue
+    assert vd.descends("de9c208", since) is False  # the one before it
+    assert vd.descends("nosuchcommit", since) is None
 
 
 def test_the_committed_pairs():
