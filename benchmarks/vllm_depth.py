@@ -891,6 +891,15 @@ def pair_main(args) -> None:
     end_at = getattr(args, "end_at", 0.0)  # --end-at: the lease's end, whatever came before
     if end_at:
         end = min(end, end_at) if end else end_at
+    if end and end - t_pair < len(order) * args.later_start_s:
+        # the engines' starts alone would not fit, and an engine's first cell always runs:
+        # no engine starts (a pair queued behind a long one must not outrun the lease)
+        print(
+            f"[depth] pair {args.shard} {args.order} not started: {end - t_pair:.0f} s left, "
+            f"{len(order)} engine starts need ~{len(order) * args.later_start_s:.0f} s",
+            flush=True,
+        )
+        return
     cells = list(getattr(args, "cells", None) or [])
     first_cells_s = 0.0  # the first engine's time from up to done
     for i, variant in enumerate(order):

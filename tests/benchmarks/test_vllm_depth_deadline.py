@@ -160,13 +160,23 @@ def test_end_at_caps_the_deadline(tmp_path, engines, deadline_s):
     second engine then runs only what the first ran, as under --deadline-s."""
     end_at = time.time() + 500.0
     args = _pair_args(tmp_path, deadline_s)
-    args.end_at = end_at
+    args.end_at, args.later_start_s = end_at, 60.0
     vd.pair_main(args)
     first, second = engines
     want = min(end_at, time.time() + deadline_s) if deadline_s else end_at
     assert second["stop_at"] == pytest.approx(want, abs=5.0)
     assert first["later"] == 1
     assert second["cells"] == ["1x16", "2x16"]
+
+
+def test_a_pair_whose_starts_would_not_fit_starts_no_engine(tmp_path, engines):
+    args = _pair_args(tmp_path, 0.0)
+    args.end_at = time.time() + 2 * 240.0 - 30.0  # two starts of 240 s do not fit
+    vd.pair_main(args)
+    assert engines == []
+    args.end_at = time.time() + 2 * 240.0 + 30.0
+    vd.pair_main(args)
+    assert len(engines) == 2
 
 
 def test_a_first_engine_that_ran_nothing_ends_the_pair(tmp_path, engines, monkeypatch):
