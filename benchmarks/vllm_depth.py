@@ -529,19 +529,16 @@ def cell_estimate(
     return 1.25 * modes * ((2 * repeats + 1) * warm_s + repeats * steps * step) + fixed
 
 
-def cell_cost(
-    batch: int, total_s: float, warm_s: float, walls: list, steps: int, modes: int = 1
-) -> dict:
-    """What :func:`cell_estimate` learns from a cell that ran: its decode step (the median over
-    repeats of (long call - short call) / ``steps``) and its fixed cost (``total_s`` less its
-    calls (``walls``: [short s, long s, ...] per repeat of all ``modes``) and one warm-up's
-    prefill per mode for the profile, at least 0)."""
-    per = sorted((w[1] - w[0]) / steps for w in walls)
-    calls = sum(w[0] + w[1] for w in walls)
+def cell_cost(batch: int, total_s: float, warm_s: float, cells: list) -> dict:
+    """What :func:`cell_estimate` learns from a cell that ran (``cells``: its entries in the
+    engine's JSON, one per sampling mode): its decode step (the slowest mode's TPOT by
+    difference, the median over repeats) and its fixed cost (``total_s`` less its calls
+    (``walls_s``) and one warm-up's prefill per mode for the profile, at least 0)."""
+    calls = sum(w[0] + w[1] for c in cells for w in c["walls_s"])
     return {
         "batch": batch,
-        "step_s": max(per[len(per) // 2], 0.0) if per else 0.0,
-        "fixed_s": max(total_s - calls - modes * warm_s, 0.0),
+        "step_s": max([c["median_ms"] / 1e3 for c in cells] + [0.0]),
+        "fixed_s": max(total_s - calls - len(cells) * warm_s, 0.0),
     }
 
 
@@ -751,10 +748,8 @@ def engine_main(args) -> None:
             if args.out:  # written after every cell: a lease may end mid-run
                 Path(args.out).write_text(json.dumps(res, indent=1))
         took = time.time() - t_cell
-        walls = [
-            w for c in res["cells"] if (c["batch"], c["context"]) == (b, ctx) for w in c["walls_s"]
-        ]
-        seen.append(cell_cost(b, took, warm[(b, ctx)], walls, steps, len(args.sampling)))
+        mine = [c for c in res["cells"] if (c["batch"], c["context"]) == (b, ctx)]
+        seen.append(cell_cost(b, took, warm[(b, ctx)], mine))
         # each cell's estimate beside what it took, to judge cell_estimate (None: the first)
         res.setdefault("cell_times", []).append(
             {"cell": f"{b}x{ctx}", "estimated_s": est and round(est, 1), "took_s": round(took, 1)}
@@ -1291,6 +1286,9 @@ def _pair_rows(commit: str, file: str, off: dict, on: dict, on_first: bool) -> l
     st = on.get("plugin_after_start") or {}
     kv = on.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
     by = {(c["batch"], c["context"], c.get("sampling")): c for c in off["cells"]}
+    since = KERNEL_SINCE.get((_shard(on), kv))
+    # False: an older plugin path than the row's (KERNEL_SINCE): listed, counted for no order
+    current = descends(commit, since) if since else True
     for c in on["cells"]:
         o = by.get((c["batch"], c["context"], c.get("sampling")))
         if o is None:
@@ -1312,6 +1310,7 @@ def _pair_rows(commit: str, file: str, off: dict, on: dict, on_first: bool) -> l
                 "on_ms": b,
                 "change_pct": None if not a or b is None else 100 * (b - a) / a,
                 "verdict": verdict(o, c),
+                "current": current,
             }
         )
     return rows
@@ -1335,8 +1334,6 @@ def grid(rows: list) -> str:
                 if (r["shard"], r["kv"], r["batch"], r["context"]) == (shard, kv, batch, ctx)
             ]
             since = KERNEL_SINCE.get((shard, kv))
-            for r in mine:  # False: an older plugin path, listed but not counted
-                r["current"] = descends(r["commit"], since) if since else True
             fused = [r for r in mine if r["fused"]]
             text = "; ".join(
                 f"{r['commit']}"

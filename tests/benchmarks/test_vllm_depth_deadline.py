@@ -18,16 +18,17 @@ def test_a_cell_fits_by_its_estimate():
 
 
 def test_cell_cost_reads_the_decode_step_and_the_fixed_cost():
-    # 3 repeats: short calls 1 s, long calls 1 s + 128 steps of 10 / 12 / 50 ms (median 12)
+    # 3 repeats: short calls 1 s, long calls 1.3-6.4 s; the cell's TPOT median 12 ms
     walls = [[1.0, 2.28, 0.0], [1.0, 2.536, 0.0], [1.0, 7.4, 0.0]]
-    c = vd.cell_cost(8, 30.0, 1.0, walls, 128)
+    cell = {"median_ms": 12.0, "walls_s": walls}
+    c = vd.cell_cost(8, 30.0, 1.0, [cell])
     assert c["batch"] == 8 and c["step_s"] == pytest.approx(0.012)
     assert c["fixed_s"] == pytest.approx(30.0 - (3.0 + 2.28 + 2.536 + 7.4) - 1.0)
-    assert vd.cell_cost(8, 1.0, 1.0, walls, 128)["fixed_s"] == 0.0  # never negative
-    # two sampling modes: one profile prefill each
-    assert vd.cell_cost(8, 40.0, 1.0, walls + walls, 128, modes=2)["fixed_s"] == pytest.approx(
-        40.0 - 2 * (3.0 + 2.28 + 2.536 + 7.4) - 2.0
-    )
+    assert vd.cell_cost(8, 1.0, 1.0, [cell])["fixed_s"] == 0.0  # never negative
+    # two sampling modes: one profile prefill each, the slower mode's step
+    c2 = vd.cell_cost(8, 40.0, 1.0, [cell, dict(cell, median_ms=15.0)])
+    assert c2["fixed_s"] == pytest.approx(40.0 - 2 * (3.0 + 2.28 + 2.536 + 7.4) - 2.0)
+    assert c2["step_s"] == pytest.approx(0.015)
 
 
 def test_cell_estimate_prices_prefill_and_decode_apart():
