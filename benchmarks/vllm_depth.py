@@ -502,10 +502,22 @@ def cells_of(args) -> list:
 
 def cell_fits(now: float, stop_at: float, estimate_s: float | None) -> bool:
     """Whether a cell may start at ``now`` and end by ``stop_at`` (0: no limit), its cost
-    estimated by :func:`cell_estimate` (None before the engine's first cell, which always runs)."""
+    estimated by :func:`cell_estimate` or, before the engine's first cell, bounded below by
+    :func:`cell_floor` (None: it runs)."""
     if not stop_at or estimate_s is None:
         return True
     return now + estimate_s <= stop_at
+
+
+def cell_floor(warm_s: float, repeats: int, modes: int = 1) -> float:
+    """The least time a cell can take, from its warm-up call alone (before the engine has run
+    a cell, when :func:`cell_estimate` has nothing to price decode steps by): per sampling mode
+    ``repeats`` short and long calls, each at least as long as a short warm-up call at the same
+    B and context, less 10 % for the warm-up's own noise. An engine's first cell runs unless even
+    this would end past ``--stop-at``. (Until eee87b0 the first cell always ran: that lease's EP8
+    off engine spent 228 s on 32 x 4000 with ~137 s of its share left, warm-up 17.9 s, floor
+    161 s, and the lease ended before its pair's second engine was up.)"""
+    return 0.9 * modes * 2 * repeats * warm_s
 
 
 def cell_estimate(
@@ -668,10 +680,16 @@ def engine_main(args) -> None:
     res["skipped_cells"] = []
     for b, ctx in grid:
         est = cell_estimate(warm[(b, ctx)], b, seen, args.repeats, steps, len(args.sampling))
+        # before the first cell: nothing to price decode steps by, only the cell's least time
+        floor = est is None
+        if floor:
+            est = cell_floor(warm[(b, ctx)], args.repeats, len(args.sampling))
         if not cell_fits(time.time(), args.stop_at, est):
-            res["skipped_cells"].append({"cell": f"{b}x{ctx}", "estimated_s": round(est, 1)})
+            skip = {"cell": f"{b}x{ctx}", "estimated_s": round(est, 1)}
+            res["skipped_cells"].append(dict(skip, floor=True) if floor else skip)
             print(
-                f"[depth] {args.variant} {b}x{ctx} skipped: ~{est:.1f} s would end past --stop-at",
+                f"[depth] {args.variant} {b}x{ctx} skipped: {'at least ' if floor else ''}"
+                f"~{est:.1f} s would end past --stop-at",
                 flush=True,
             )
             continue
@@ -750,9 +768,11 @@ def engine_main(args) -> None:
         took = time.time() - t_cell
         mine = [c for c in res["cells"] if (c["batch"], c["context"]) == (b, ctx)]
         seen.append(cell_cost(b, took, warm[(b, ctx)], mine))
-        # each cell's estimate beside what it took, to judge cell_estimate (None: the first)
+        # each cell's estimate beside what it took, to judge cell_estimate (None: the first,
+        # with the floor it was let in by)
+        times = {"cell": f"{b}x{ctx}", "estimated_s": None if floor else round(est, 1)}
         res.setdefault("cell_times", []).append(
-            {"cell": f"{b}x{ctx}", "estimated_s": est and round(est, 1), "took_s": round(took, 1)}
+            dict(times, took_s=round(took, 1), **({"floor_s": round(est, 1)} if floor else {}))
         )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -887,8 +907,8 @@ def pair_main(args) -> None:
     if end_at:
         end = min(end, end_at) if end else end_at
     if end and end - t_pair < len(order) * args.later_start_s:
-        # the engines' starts alone would not fit, and an engine's first cell always runs:
-        # no engine starts (a pair queued behind a long one must not outrun the lease)
+        # the engines' starts alone would not fit: no engine starts (a pair queued behind a
+        # long one must not outrun the lease)
         print(
             f"[depth] pair {args.shard} {args.order} not started: {end - t_pair:.0f} s left, "
             f"{len(order)} engine starts need ~{len(order) * args.later_start_s:.0f} s",
@@ -897,6 +917,11 @@ def pair_main(args) -> None:
         return
     cells = list(getattr(args, "cells", None) or [])
     first_cells_s = 0.0  # the first engine's time from up to done
+    first_cell_s = 0.0  # the time its first cell took
+
+    def tag_of(i: int, variant: str) -> str:
+        return f"{args.shard}_{args.tag}_{i}{variant}"
+
     for i, variant in enumerate(order):
         # --deadline-s: the first engine sizes its share once it is up (first_engine_stop);
         # the engines after it run the cells it ran (a pair, not two halves), each leaving the
@@ -904,6 +929,16 @@ def pair_main(args) -> None:
         if i == 0:
             stop_at, later = end, len(order) - 1
         else:
+            left = end - time.time() if end else 0.0
+            if end and left < args.later_start_s + first_cell_s:
+                # it could not be up and run the first engine's first cell before the end: its
+                # start would be lost (eee87b0: an EP8 on engine started with 134 s left)
+                print(
+                    f"[depth] {tag_of(i, variant)} not started: {left:.0f} s left, its start and "
+                    f"first cell need ~{args.later_start_s + first_cell_s:.0f} s",
+                    flush=True,
+                )
+                break
             after = len(order) - 1 - i
             stop_at = later_engine_stop(end, after, args.later_start_s, first_cells_s)
             later = 0
@@ -916,7 +951,7 @@ def pair_main(args) -> None:
         )
         if args.shard == "smoke":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        tag = f"{args.shard}_{args.tag}_{i}{variant}"
+        tag = tag_of(i, variant)
         cmd = [
             sys.executable,
             __file__,
@@ -968,6 +1003,7 @@ def pair_main(args) -> None:
             print(f"[depth] {tag} memory: {json.dumps(res['memory'])}", flush=True)
             if i == 0 and end:
                 first_cells_s = max(time.time() - t0 - res.get("engine_start_s", 0.0), 0.0)
+                first_cell_s = float((res.get("cell_times") or [{}])[0].get("took_s", 0.0))
                 cells = completed_cells(res)
                 print(f"[depth] the next engines run the cells {tag} ran: {cells}", flush=True)
                 if not cells:

@@ -185,3 +185,43 @@ def test_a_first_engine_that_ran_nothing_ends_the_pair(tmp_path, engines, monkey
     args.cells = ["128x16"]
     vd.pair_main(args)
     assert len(engines) == 1  # no lone second engine
+
+
+def test_the_first_cell_runs_only_if_its_floor_fits():
+    """eee87b0's EP8 lease: warm-up 17.9 s, 5 repeats, ~137 s of the off engine's share left;
+    the cell took 228 s. Its floor (10 calls at 0.9x the warm-up) would have skipped it."""
+    floor = vd.cell_floor(17.87, 5)
+    assert floor == pytest.approx(0.9 * 10 * 17.87)
+    assert floor < 228.0  # below what the cell took
+    assert not vd.cell_fits(0.0, 137.0, floor)
+    assert vd.cell_floor(17.87, 5, modes=2) == pytest.approx(2 * floor)
+    # the TP8 cells of the same lease: each floor below what the cell took
+    for warm_s, took_s in [(5.5168, 68.5), (4.0659, 65.0), (0.1801, 9.2), (1.2948, 32.1)]:
+        assert vd.cell_floor(warm_s, 5) < took_s
+
+
+def test_a_later_engine_that_could_not_run_the_first_cell_is_not_started(
+    tmp_path, engines, monkeypatch
+):
+    """After the first engine, what is left must hold the later engine's start and the first
+    engine's first cell (its took_s in cell_times), else the later engine does not start."""
+    real = vd.subprocess.call
+
+    def slow_first(cmd, **kw):  # the first engine's first cell took 300 s
+        rc = real(cmd, **kw)
+        out = cmd[cmd.index("--out") + 1]
+        res = json.loads(open(out).read())
+        res["cell_times"] = [{"cell": "1x16", "estimated_s": None, "took_s": 300.0}]
+        with open(out, "w") as f:
+            json.dump(res, f)
+        return rc
+
+    monkeypatch.setattr(vd.subprocess, "call", slow_first)
+    args = _pair_args(tmp_path, 0.0)
+    args.later_start_s = 100.0
+    args.end_at = time.time() + 350.0  # two starts fit (200 s); a start and the cell (400) not
+    vd.pair_main(args)
+    assert len(engines) == 1
+    args.end_at = time.time() + 450.0
+    vd.pair_main(args)
+    assert len(engines) == 3  # this pair's two
