@@ -1352,10 +1352,54 @@ def _pair_rows(commit: str, file: str, off: dict, on: dict, on_first: bool) -> l
     return rows
 
 
-def grid(rows: list) -> str:
+def timings_of(files) -> dict:
+    """What the committed engines took, per ``(shard, kv)``: their starts (``engine_start_s``)
+    and each cell's time (``cell_times``' ``took_s``, kept since df29556): :func:`lease_need`."""
+    out: dict = {}
+    for p in files:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, ValueError):
+            continue
+        runs = d.get("runs") if isinstance(d, dict) else None
+        for r in runs if isinstance(runs, list) else []:
+            if "config" not in r:
+                continue
+            kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
+            t = out.setdefault((_shard(r), kv), {"start_s": [], "cells": {}})
+            if r.get("engine_start_s"):
+                t["start_s"].append(float(r["engine_start_s"]))
+            for c in r.get("cell_times") or []:
+                t["cells"].setdefault(c["cell"], []).append(float(c["took_s"]))
+    return out
+
+
+def lease_need(timing: dict | None, cells: list, engines: int = 2) -> str:
+    """A pair's device time from what its shard's engines took before (:func:`timings_of`):
+    ``engines`` starts at the median start seen, each running ``cells`` at each cell's median
+    time; the slowest start seen beside it (a lease's first engine of a shard pays its
+    compiles unless warm caches are carried: 357-372 s at 13ad969)."""
+    starts = sorted((timing or {}).get("start_s") or [])
+    if not starts:
+        return "no engine of this shard timed yet"
+    took = (timing or {}).get("cells", {})
+    known = {c: statistics.median(took[c]) for c in cells if took.get(c)}
+    start = statistics.median(starts)
+    total = engines * (start + sum(known.values()))
+    unknown = [c for c in cells if c not in known]
+    return (
+        f"~{total:.0f} s: {engines} starts of ~{start:.0f} s (slowest seen {starts[-1]:.0f}), "
+        + ", ".join(f"{c} ~{t:.0f} s" for c, t in known.items())
+        + (" per engine" if known else "")
+        + (f"; not yet timed: {' '.join(unknown)}" if unknown else "")
+    )
+
+
+def grid(rows: list, timings: dict | None = None) -> str:
     """The full-depth grid (:data:`GRID`) from :func:`pairs_of`'s rows: per cell, every fused
     pair (commit, which engine ran first, change, verdict), the orders still missing, and the
-    fallbacks apart; then the ``pair`` arguments that would fill the missing orders."""
+    fallbacks apart; then the ``pair`` arguments that would fill the missing orders, each with
+    the device time it needs by ``timings`` (:func:`timings_of`, :func:`lease_need`)."""
     lines = [
         "| shard | kv | B | context | pairs (commit, first, decode step off -> on, verdict) "
         "| plugin first | plugin second |",
@@ -1423,6 +1467,7 @@ def grid(rows: list) -> str:
             f"to run: --shard {shard}"
             + ("" if kv == "auto" else f" --kv-cache-dtype {kv}")
             + f" --order {order} --cells {' '.join(cells)} --sampling seeded --repeats 5"
+            + (f" ({lease_need(timings.get((shard, kv)), cells)})" if timings is not None else "")
         )
     return "\n".join(lines)
 
@@ -1604,7 +1649,7 @@ def main() -> None:
         files = args.files or sorted(
             (Path(__file__).parent / "results").glob("h200_vllm033_depth_*.json")
         )
-        print(grid(pairs_of(files)))
+        print(grid(pairs_of(files), timings_of(files)))
     elif args.cmd == "table":
         runs = load_runs(args.files)
         print(table(runs))

@@ -185,3 +185,28 @@ def test_the_committed_pairs():
                 and r["verdict"] != "no decode-step time"
                 for r in fused
             ), (shard, kv, batch, ctx)
+
+
+def test_a_missing_order_says_the_device_time_it_needs(tmp_path):
+    """grid's `to run` lines price a pair by what the shard's engines took before: two starts at
+    the median start seen and, per engine, each cell's median time (cell_times)."""
+    off = dict(_run("off", [_cell(1, 1000, [10.0, 10.1])]), engine_start_s=100.0)
+    off["cell_times"] = [{"cell": "1x1000", "estimated_s": None, "took_s": 20.0}]
+    on = dict(_run("on", [_cell(1, 1000, [9.0, 9.1])]), engine_start_s=300.0)
+    on["cell_times"] = [{"cell": "1x1000", "estimated_s": None, "took_s": 30.0}]
+    late = dict(_run("off", []), engine_start_s=140.0)  # a third start, no cells
+    a = _file(tmp_path, "a.json", "aaaaaaa", [on, off, late])  # on first: plugin second missing
+    timings = vd.timings_of([a, tmp_path / "missing.json"])
+    assert timings[("tp8", "auto")] == {
+        "start_s": [300.0, 100.0, 140.0],
+        "cells": {"1x1000": [30.0, 20.0]},
+    }
+    need = vd.lease_need(timings[("tp8", "auto")], ["1x1000", "32x1000"])
+    # 2 x (median start 140 + median cell 25); 32 x 1000 never timed
+    assert need.startswith("~330 s: 2 starts of ~140 s (slowest seen 300)")
+    assert "1x1000 ~25 s per engine" in need and "not yet timed: 32x1000" in need
+    assert vd.lease_need(None, ["1x1000"]) == "no engine of this shard timed yet"
+    out = grid(pairs_of([a]), timings)
+    line = [x for x in out.splitlines() if x.startswith("to run: --shard tp8 --order off,on")]
+    assert line and "--cells 1x1000" in line[0] and "(~" in line[0]
+    assert "(~" not in grid(pairs_of([a]))  # no timings given: the arguments alone
