@@ -320,13 +320,26 @@ GRIDS = {
     "few": dict(
         bt=(16,), bv=(32, 64, 128), bk=(64,), nwns=((4, 3), (4, 5), (8, 3)), sp=(1, 2, 4, 8)
     ),
+    # the CUDA cores' products (cfg GEMV) for a few tokens: token tiles of 1-8 rows (no MMA
+    # padding to 16), a chunk of the whole latent read before the PDL wait (512) or four of
+    # one block's rows (128); the a85ce66 probe's streaming (2.4-2.9 us at 16 heads, B = 1) is
+    # what this cuts, if anything does. Token tiles of B / 8 to B only.
+    "gemv": dict(
+        bt=(1, 2, 4, 8),
+        bv=(16, 32, 128),
+        bk=(128, 512),
+        nwns=((4, 1), (8, 1)),
+        sp=(1, 2),
+        gemv=True,
+    ),
 }
 
 
 def sweep_grid(name: str, smoke: bool) -> list[dict]:
     g = GRIDS[name]
+    gemv = {"GEMV": True} if g.get("gemv") else {}
     return [
-        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp)
+        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp, **gemv)
         for bt in g["bt"]
         for bv in g["bv"]
         for bk in ((16,) if smoke else g["bk"])
@@ -353,9 +366,11 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                     # more programs per head (a split latent, FP8 groups cut among
                     # programs) is for small batches
                     vsub = a.group // cfg["BLOCK_V"] if fp8 and cfg["BLOCK_V"] < a.group else 1
+                    gemv = cfg.get("GEMV", False)  # token tiles of B / 8 to B; any chunk
                     if (
                         cfg["BLOCK_T"] > max(16, 4 * B)
-                        or blk % cfg["BLOCK_K"]
+                        or (gemv and not B / 8 <= cfg["BLOCK_T"] <= triton.next_power_of_2(B))
+                        or (blk % cfg["BLOCK_K"] and not gemv)
                         or (cfg["SPLIT"] * vsub > 1 and B > 64)
                         or (dims["L"] // cfg["BLOCK_K"]) % cfg["SPLIT"]
                     ):

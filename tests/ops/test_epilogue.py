@@ -799,6 +799,76 @@ def test_group_wider_than_the_v_tile_meets_in_the_workspace(device, weights, spl
                 assert torch.equal(_bytes(t1), _bytes(t2))
 
 
+@pytest.mark.parametrize("weights", ["plain", "head", "block"])
+def test_gemv_chunks_match_the_reference(device, weights):
+    """GEMV: each chunk's product on the CUDA cores (fp32 products summed over the chunk), for
+    a few tokens: token tiles of 1, 2 and 4 rows, a chunk as long as the latent (read whole
+    before the PDL wait) or several, with SPLIT and with an FP8 group wider than the V tile
+    (both meet in the workspace). bf16 and FP8 outputs agree with the reference (within the
+    accumulation order's one step), every output byte written, the counters left at 0, and a
+    second launch gives the same bytes."""
+    d = _dims(device)
+    g = _gen("gemv", weights)
+    H, L, V = d["H"], d["L"], d["V"]
+    w = _split_test_w(weights, H, L, V, g, device)
+    cfgs = [
+        dict(BLOCK_T=1, BLOCK_V=V, BLOCK_K=L, SPLIT=1),  # block weights: a chunk of all blocks
+        dict(BLOCK_T=2, BLOCK_V=16, BLOCK_K=16, SPLIT=2),
+        dict(BLOCK_T=4, BLOCK_V=32, BLOCK_K=16, SPLIT=1),
+    ]
+    for N in (1, 3):
+        x = _act(N, H, L, g, BF16, device)
+        for kw, group in ((dict(out_dtype=FP8, group_size=32), 32), ({}, 128)):
+            ref = fusemla.mla_epilogue_ref(x, w, **kw)
+            for cfg in cfgs:
+                cfg = dict(cfg, GEMV=True, num_warps=4, num_stages=1)
+                runs = []
+                for _ in range(2):
+                    a = prepare(x, w, **kw)
+                    for t in (a.out, a.scale_out):
+                        if t is not None:
+                            t.copy_(poisoned(t.shape, t.dtype, t.device))
+                    pl = launch_mod.plan(a, cfg=cfg)
+                    assert (
+                        pl.constexprs["GEMV"] is True and pl.constexprs["BLOCK_T"] == cfg["BLOCK_T"]
+                    )
+                    launch_mod.launch(a, cfg)
+                    if pl.split * pl.vsub > 1:
+                        cnt = launch_mod.split_counters(x.device, pl.n_items)
+                        assert int(cnt.count_nonzero()) == 0, "arrival counters left non-zero"
+                    runs.append(a.result)
+                _check(x, w, runs[0], ref, group=group)
+                first = runs[0] if isinstance(runs[0], tuple) else (runs[0],)
+                second = runs[1] if isinstance(runs[1], tuple) else (runs[1],)
+                for t1, t2 in zip(first, second):
+                    assert torch.equal(_bytes(t1), _bytes(t2)), cfg
+
+
+def test_gemv_tiles_are_checked(device):
+    """A token tile below 16 rows only with GEMV (the MMA needs 16); GEMV a bool."""
+    d = _dims(device)
+    g = _gen("gemv-bad")
+    x, w = _act(3, d["H"], d["L"], g, BF16, device), _plain_w(d["H"], d["L"], d["V"], g)
+    a = prepare(x, w.to(device))
+    with pytest.raises(ValueError, match="BLOCK_T: expected a power of two >= 16"):
+        launch_mod.plan(a, cfg=dict(BLOCK_T=4))
+    with pytest.raises(ValueError, match="BLOCK_T: expected a power of two >= 1"):
+        launch_mod.plan(a, cfg=dict(BLOCK_T=3, GEMV=True))
+    with pytest.raises(ValueError, match="GEMV: expected a bool"):
+        launch_mod.plan(a, cfg=dict(GEMV=1))
+    # a chunk across blocks of scale rows: the dot path refuses it, GEMV scales each element
+    wb = _split_test_w("block", d["H"], d["L"], d["V"], g, device)
+    ab = prepare(x, wb)
+    blk = wb.block[0]
+    with pytest.raises(ValueError, match="straddles"):
+        launch_mod.plan(ab, cfg=dict(BLOCK_K=2 * blk))
+    assert (
+        launch_mod.plan(ab, cfg=dict(BLOCK_K=2 * blk, GEMV=True)).constexprs["BLOCK_K"] == 2 * blk
+    )
+    assert launch_mod.plan(a, cfg=dict(BLOCK_T=1, GEMV=True)).constexprs["GEMV"] is True
+    assert launch_mod.plan(a).constexprs["GEMV"] is False  # no table picks it
+
+
 def test_split_that_does_not_divide_the_latent_is_refused(device):
     d = _dims(device)
     g = _gen("split-bad")

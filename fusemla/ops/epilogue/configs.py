@@ -228,12 +228,17 @@ def tiles(
 def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
     """Raise ValueError for tiles the kernel cannot run: every tile a power of two >= 16 (so
     a V tile holds whole FP8 groups, or is a whole fraction of one: its GROUP / BLOCK_V tiles
-    then meet in a workspace, as SPLIT's do), a latent chunk inside one block of scale rows."""
+    then meet in a workspace, as SPLIT's do), a latent chunk inside one block of scale rows.
+    With ``GEMV`` (the CUDA cores' products: no MMA shape; each weight scaled before its
+    product) a token tile may be any power of two and a chunk may span blocks."""
+    gemv = cfg.get("GEMV", False)
+    if not isinstance(gemv, bool):
+        raise ValueError(f"GEMV: expected a bool, got {gemv!r}")
     for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K"):
-        v = cfg[k]
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{k}: expected a power of two >= 16, got {v}")
-    if block_k is not None and block_k % cfg["BLOCK_K"]:
+        v, least = cfg[k], 1 if gemv and k == "BLOCK_T" else 16
+        if not isinstance(v, int) or v < least or v & (v - 1):
+            raise ValueError(f"{k}: expected a power of two >= {least}, got {v!r}")
+    if block_k is not None and block_k % cfg["BLOCK_K"] and not gemv:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} straddles the weight's {block_k}-row blocks")
     split = cfg.get("SPLIT", 1)
     if not isinstance(split, int) or split < 1 or split & (split - 1):

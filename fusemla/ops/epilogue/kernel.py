@@ -8,7 +8,8 @@ Program ``pid`` of the flat grid owns one (token tile, V tile, head) item, token
 in chunks of ``BLOCK_K`` on the tensor cores, fp32 accumulation. FP8 weights are upcast to the
 activations' dtype in registers (exact); their scale multiplies the accumulator (per tensor or
 head), or each chunk's partial product per column (block scales: a chunk lies inside one block
-of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block).
+of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block; with ``GEMV`` each
+weight element is scaled before its product instead, so a chunk may span blocks).
 
 ``OUT_FP8`` (an FP8 format code of :data:`fusemla.dtypes.FP8_FORMATS`, 0: not FP8): a V tile
 holds whole groups, so each program quantizes its own: per row and group, ``absmax =
@@ -25,6 +26,11 @@ tile's arrival counter (acquire / release); the last of the SPLIT x VSUB to arri
 column's SPLIT partials in split order (so the sum does not depend on which program is last),
 sets the counter back to 0 and finishes the whole tile. The counters are a buffer the launcher
 keeps per device and stream, zero between launches: no memset per launch.
+
+``GEMV``: each chunk's product on the CUDA cores instead of the tensor cores (fp32 products
+summed over the chunk), for a few tokens, where the MMA pads a token tile to 16 rows and
+stages its operands in its own layout: tiles of any power-of-two BLOCK_T, a chunk as long as
+the latent (read whole before ``gdc_wait``).
 
 ``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
 written by the kernel before, so they overlap it); the activations only after it.
@@ -60,9 +66,35 @@ def x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
 
 
 @triton.jit
+def chunk_product(b_x, b_w, GEMV: tl.constexpr):
+    """``b_x [BLOCK_T, BLOCK_K] @ b_w [BLOCK_K, BLOCK_V]`` in fp32: on the tensor cores, or with
+    ``GEMV`` as products summed over the chunk on the CUDA cores (fp32 operands: no staging
+    of operands in the MMA's layout, any BLOCK_T; for a few tokens)."""
+    if GEMV:
+        return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
+    else:
+        return tl.dot(b_x, b_w)
+
+
+@triton.jit
 def block_scales(p_ws, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK: tl.constexpr, W_BN: tl.constexpr):
     """Each column's block scale for the chunk starting at latent row ``k0``: [BLOCK_V] fp32."""
     return tl.load(p_ws + (k0 // W_BK) * s_ws_k + (o_v // W_BN) * s_ws_v, mask=m_v, other=0.0)
+
+
+@triton.jit
+def dequantized(
+    b_w, p_ws, s_ws_k, s_ws_v, o_k, m_k, o_v, m_v, W_BK: tl.constexpr, W_BN: tl.constexpr
+):
+    """A block-FP8 weight chunk [BLOCK_K, BLOCK_V] (fp32) times each element's block scale, for
+    :func:`chunk_product`'s GEMV, whose chunk may span several blocks of rows (the whole
+    latent); the scales are a few values per head, read from cache."""
+    b_s = tl.load(
+        p_ws + (o_k // W_BK)[:, None] * s_ws_k + (o_v // W_BN)[None, :] * s_ws_v,
+        mask=m_k[:, None] & m_v[None, :],
+        other=0.0,
+    )
+    return b_w * b_s
 
 
 @triton.jit
@@ -194,13 +226,14 @@ def mla_epilogue_kernel(
     PDL_TRIGGER: tl.constexpr,
     SPLIT: tl.constexpr,
     VSUB: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
     """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
     scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
-    scales."""
+    scales. ``GEMV``: the chunks' products on the CUDA cores (:func:`chunk_product`)."""
     if USE_PDL and PDL_TRIGGER:  # FUSEMLA_PDL_TRIGGER: the next kernel may launch now
         gdc_launch_dependents()
-    if DOT_FP32:  # the interpreter's dot in fp32
+    if DOT_FP32 or GEMV:  # the interpreter's dot, or the CUDA cores' products, in fp32
         DOT_TY: tl.constexpr = tl.float32
     else:
         DOT_TY: tl.constexpr = p_x.dtype.element_ty
@@ -220,18 +253,24 @@ def mla_epilogue_kernel(
     k0 = i_s * NKS * BLOCK_K
     o_k0 = k0 + o_k
     b_w = w_chunk(p_wh, s_w_k, s_w_v, o_k0, o_k0 < L, o_v, m_v, DOT_TY)
+    if GEMV and W_FMT == 2:  # scales are weights too: read before the wait
+        b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_k0, o_k0 < L, o_v, m_v, W_BK, W_BN)
     if USE_PDL:
         gdc_wait()
     b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY)
-    acc = tl.dot(b_x, b_w)
-    if W_FMT == 2:
+    acc = chunk_product(b_x, b_w, GEMV)
+    if W_FMT == 2 and not GEMV:
         acc = acc * block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
     for i_k in range(i_s * NKS + 1, (i_s + 1) * NKS):
         o_kk = i_k * BLOCK_K + o_k
         m_k = o_kk < L
         b_w = w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
         b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
-        if W_FMT == 2:
+        if GEMV:
+            if W_FMT == 2:
+                b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_kk, m_k, o_v, m_v, W_BK, W_BN)
+            acc += chunk_product(b_x, b_w, GEMV)
+        elif W_FMT == 2:
             b_s = block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
             acc += tl.dot(b_x, b_w) * b_s[None, :]
         else:

@@ -110,6 +110,7 @@ def plan(
         PDL_TRIGGER=pdl_trigger,
         SPLIT=split,
         VSUB=vsub,
+        GEMV=bool(tiles.get("GEMV", False)),
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
