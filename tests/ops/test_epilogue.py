@@ -699,6 +699,23 @@ def _split_test_w(weights: str, H: int, L: int, V: int, g, device: str):
     return _kv_b_proj_w_uv(H, blk[0], L, V, blk, g, device)
 
 
+def _launch_poisoned(x, w, kw: dict, cfg: dict):
+    """One launch with tiles ``cfg`` into freshly poisoned outputs: ``(plan, result)``."""
+    a = prepare(x, w, **kw)
+    for t in (a.out, a.scale_out):
+        if t is not None:
+            t.copy_(poisoned(t.shape, t.dtype, t.device))
+    pl = launch_mod.plan(a, cfg=cfg)
+    launch_mod.launch(a, cfg)
+    return pl, a.result
+
+
+def _same_bytes(r1, r2) -> bool:
+    first = r1 if isinstance(r1, tuple) else (r1,)
+    second = r2 if isinstance(r2, tuple) else (r2,)
+    return all(torch.equal(_bytes(t1), _bytes(t2)) for t1, t2 in zip(first, second))
+
+
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("weights", ["plain", "head", "block"])
 def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights, split):
@@ -715,20 +732,11 @@ def test_split_latent_matches_reference_and_repeats_bit_for_bit(device, weights,
         ref = fusemla.mla_epilogue_ref(x, w, **kw)
         runs = []
         for _ in range(2):
-            a = prepare(x, w, **kw)
-            for t in (a.out, a.scale_out):
-                if t is not None:
-                    t.copy_(poisoned(t.shape, t.dtype, t.device))
-            plan = launch_mod.plan(a, cfg=dict(BLOCK_K=bk, SPLIT=split))
+            plan, result = _launch_poisoned(x, w, kw, dict(BLOCK_K=bk, SPLIT=split))
             assert plan.split == split and plan.grid == (plan.n_items * split,)
-            launch_mod.launch(a, dict(BLOCK_K=bk, SPLIT=split))
-            runs.append(a.result)
-        fused = runs[0]
-        _check(x, w, fused, ref, group=group)
-        first = fused if isinstance(fused, tuple) else (fused,)
-        second = runs[1] if isinstance(runs[1], tuple) else (runs[1],)
-        for t1, t2 in zip(first, second):
-            assert torch.equal(_bytes(t1), _bytes(t2))
+            runs.append(result)
+        _check(x, w, runs[0], ref, group=group)
+        assert _same_bytes(*runs)
 
 
 def test_split_counters_are_zero_after_every_launch_and_shared_across_splits(device):
@@ -824,24 +832,15 @@ def test_gemv_chunks_match_the_reference(device, weights):
                 cfg = dict(cfg, GEMV=True, num_warps=4, num_stages=1)
                 runs = []
                 for _ in range(2):
-                    a = prepare(x, w, **kw)
-                    for t in (a.out, a.scale_out):
-                        if t is not None:
-                            t.copy_(poisoned(t.shape, t.dtype, t.device))
-                    pl = launch_mod.plan(a, cfg=cfg)
-                    assert (
-                        pl.constexprs["GEMV"] is True and pl.constexprs["BLOCK_T"] == cfg["BLOCK_T"]
-                    )
-                    launch_mod.launch(a, cfg)
+                    pl, result = _launch_poisoned(x, w, kw, cfg)
+                    assert pl.constexprs["GEMV"] is True
+                    assert pl.constexprs["BLOCK_T"] == cfg["BLOCK_T"]
                     if pl.split * pl.vsub > 1:
                         cnt = launch_mod.split_counters(x.device, pl.n_items)
                         assert int(cnt.count_nonzero()) == 0, "arrival counters left non-zero"
-                    runs.append(a.result)
+                    runs.append(result)
                 _check(x, w, runs[0], ref, group=group)
-                first = runs[0] if isinstance(runs[0], tuple) else (runs[0],)
-                second = runs[1] if isinstance(runs[1], tuple) else (runs[1],)
-                for t1, t2 in zip(first, second):
-                    assert torch.equal(_bytes(t1), _bytes(t2)), cfg
+                assert _same_bytes(*runs), cfg
 
 
 def test_gemv_tiles_are_checked(device):
