@@ -8,8 +8,9 @@ Program ``pid`` of the flat grid owns one (token tile, V tile, head) item, token
 in chunks of ``BLOCK_K`` on the tensor cores, fp32 accumulation. FP8 weights are upcast to the
 activations' dtype in registers (exact); their scale multiplies the accumulator (per tensor or
 head), or each chunk's partial product per column (block scales: a chunk lies inside one block
-of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block; with ``GEMV`` each
-weight element is scaled before its product instead, so a chunk may span blocks).
+of ``W_BK`` rows, each column's scale is that of its ``W_BN``-wide block; with ``GEMV`` the
+scales apply before the products instead, so a chunk may span blocks: to the activations per
+latent row where the V tile lies inside one column block, else to each weight element).
 
 ``OUT_FP8`` (an FP8 format code of :data:`fusemla.dtypes.FP8_FORMATS`, 0: not FP8): a V tile
 holds whole groups, so each program quantizes its own: per row and group, ``absmax =
@@ -66,12 +67,16 @@ def x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
 
 
 @triton.jit
-def chunk_product(b_x, b_w, GEMV: tl.constexpr):
+def chunk_product(b_x, b_w, GEMV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """``b_x [BLOCK_T, BLOCK_K] @ b_w [BLOCK_K, BLOCK_V]`` in fp32: on the tensor cores, or with
     ``GEMV`` as products summed over the chunk on the CUDA cores (fp32 operands: no staging
-    of operands in the MMA's layout, any BLOCK_T; for a few tokens)."""
+    of operands in the MMA's layout, any BLOCK_T; for a few tokens). One token: a 2-D product
+    reduced over the chunk, so the weight keeps the layout it was loaded in."""
     if GEMV:
-        return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
+        if BLOCK_T == 1:
+            return tl.sum(b_w * tl.reshape(b_x, (BLOCK_K,))[:, None], axis=0)[None, :]
+        else:
+            return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
     else:
         return tl.dot(b_x, b_w)
 
@@ -83,12 +88,20 @@ def block_scales(p_ws, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK: tl.constexpr, W_BN: t
 
 
 @triton.jit
+def row_scales(p_ws, s_ws_k, s_ws_v, o_k, m_k, i_bn, W_BK: tl.constexpr):
+    """The block scale of each latent row ``o_k`` [BLOCK_K] in column block ``i_bn``: GEMV's
+    block-FP8 scales when the V tile lies inside one column block, applied to the activations'
+    chunk (a few values per head, read from cache)."""
+    return tl.load(p_ws + (o_k // W_BK) * s_ws_k + i_bn * s_ws_v, mask=m_k, other=0.0)
+
+
+@triton.jit
 def dequantized(
     b_w, p_ws, s_ws_k, s_ws_v, o_k, m_k, o_v, m_v, W_BK: tl.constexpr, W_BN: tl.constexpr
 ):
-    """A block-FP8 weight chunk [BLOCK_K, BLOCK_V] (fp32) times each element's block scale, for
-    :func:`chunk_product`'s GEMV, whose chunk may span several blocks of rows (the whole
-    latent); the scales are a few values per head, read from cache."""
+    """A block-FP8 weight chunk [BLOCK_K, BLOCK_V] (fp32) times each element's block scale:
+    GEMV's block scales when the V tile spans column blocks (a chunk may span blocks of rows:
+    the whole latent)."""
     b_s = tl.load(
         p_ws + (o_k // W_BK)[:, None] * s_ws_k + (o_v // W_BN)[None, :] * s_ws_v,
         mask=m_k[:, None] & m_v[None, :],
@@ -252,13 +265,21 @@ def mla_epilogue_kernel(
     # the first chunk peeled: its weights are read before waiting on the kernel before (PDL)
     k0 = i_s * NKS * BLOCK_K
     o_k0 = k0 + o_k
+    # GEMV's block scales: per latent row on the activations when the V tile lies inside one
+    # column block, else per element on the weights
+    ROW_SCALES: tl.constexpr = GEMV and W_FMT == 2 and W_BN % BLOCK_V == 0
+    i_bn = (i_v * BLOCK_V) // W_BN if W_FMT == 2 else 0  # the V tile's column block
     b_w = w_chunk(p_wh, s_w_k, s_w_v, o_k0, o_k0 < L, o_v, m_v, DOT_TY)
-    if GEMV and W_FMT == 2:  # scales are weights too: read before the wait
+    if ROW_SCALES:  # scales are weights too: read before the wait
+        b_sk = row_scales(p_wsh, s_ws_k, s_ws_v, o_k0, o_k0 < L, i_bn, W_BK)
+    elif GEMV and W_FMT == 2:
         b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_k0, o_k0 < L, o_v, m_v, W_BK, W_BN)
     if USE_PDL:
         gdc_wait()
     b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY)
-    acc = chunk_product(b_x, b_w, GEMV)
+    if ROW_SCALES:
+        b_x = b_x * b_sk[None, :]
+    acc = chunk_product(b_x, b_w, GEMV, BLOCK_T, BLOCK_K)
     if W_FMT == 2 and not GEMV:
         acc = acc * block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
     for i_k in range(i_s * NKS + 1, (i_s + 1) * NKS):
@@ -267,9 +288,11 @@ def mla_epilogue_kernel(
         b_w = w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
         b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
         if GEMV:
-            if W_FMT == 2:
+            if ROW_SCALES:
+                b_x = b_x * row_scales(p_wsh, s_ws_k, s_ws_v, o_kk, m_k, i_bn, W_BK)[None, :]
+            elif W_FMT == 2:
                 b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_kk, m_k, o_v, m_v, W_BK, W_BN)
-            acc += chunk_product(b_x, b_w, GEMV)
+            acc += chunk_product(b_x, b_w, GEMV, BLOCK_T, BLOCK_K)
         elif W_FMT == 2:
             b_s = block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
             acc += tl.dot(b_x, b_w) * b_s[None, :]
