@@ -321,9 +321,9 @@ GRIDS = {
         bt=(16,), bv=(32, 64, 128), bk=(64,), nwns=((4, 3), (4, 5), (8, 3)), sp=(1, 2, 4, 8)
     ),
     # the CUDA cores' products (cfg GEMV) for a few tokens: token tiles of 1-8 rows (no MMA
-    # padding to 16), a chunk of the whole latent read before the PDL wait (512) or four of
-    # one block's rows (128); the a85ce66 probe's streaming (2.4-2.9 us at 16 heads, B = 1) is
-    # what this cuts, if anything does. Token tiles of B / 8 to B only.
+    # padding to 16), the whole latent as one chunk read before the PDL wait (512) or four
+    # chunks of one scale block's rows (128); the a85ce66 probe's streaming (2.4-2.9 us at 16
+    # heads, B = 1) is what this cuts, if anything does. Token tiles of B / 8 to B only.
     "gemv": dict(
         bt=(1, 2, 4, 8),
         bv=(16, 32, 128),

@@ -229,8 +229,8 @@ def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
     """Raise ValueError for tiles the kernel cannot run: every tile a power of two >= 16 (so
     a V tile holds whole FP8 groups, or is a whole fraction of one: its GROUP / BLOCK_V tiles
     then meet in a workspace, as SPLIT's do), a latent chunk inside one block of scale rows.
-    With ``GEMV`` (the CUDA cores' products: no MMA shape; each weight scaled before its
-    product) a token tile may be any power of two and a chunk may span blocks."""
+    With ``GEMV`` (the CUDA cores' products: no MMA shape; block scales applied before the
+    products) a token tile may be any power of two and a chunk may span blocks."""
     gemv = cfg.get("GEMV", False)
     if not isinstance(gemv, bool):
         raise ValueError(f"GEMV: expected a bool, got {gemv!r}")
