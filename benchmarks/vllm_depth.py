@@ -1286,6 +1286,19 @@ def verdict(off: dict, on: dict) -> str:
     return "within spread"
 
 
+def results_files(files):
+    """``(path, document, runs)`` of each readable results file holding a list of engine runs
+    (unreadable or other files skipped): what :func:`pairs_of` and :func:`timings_of` read."""
+    for p in files:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, ValueError):
+            continue
+        runs = d.get("runs") if isinstance(d, dict) else None
+        if isinstance(runs, list):
+            yield p, d, runs
+
+
 def pairs_of(files) -> list:
     """Every (off, plugin-on variant: a name starting with "on") pair in the committed results
     files, one row per cell: which engine ran first (a file is one lease, its engines in the
@@ -1294,14 +1307,7 @@ def pairs_of(files) -> list:
     ``off,on,off`` lease times both orders with three engines. A variant that fused no layer
     is a fallback."""
     rows = []
-    for p in files:
-        try:
-            d = json.loads(Path(p).read_text())
-        except (OSError, ValueError):
-            continue
-        runs = d.get("runs") if isinstance(d, dict) else None
-        if not isinstance(runs, list):
-            continue
+    for p, d, runs in results_files(files):
         commit = str(d.get("commit") or "?").split()[0]
         offs = [i for i, r in enumerate(runs) if r.get("variant") == "off"]
         for i, r in enumerate(runs):
@@ -1356,13 +1362,8 @@ def timings_of(files) -> dict:
     """What the committed engines took, per ``(shard, kv)``: their starts (``engine_start_s``)
     and each cell's time (``cell_times``' ``took_s``, kept since df29556): :func:`lease_need`."""
     out: dict = {}
-    for p in files:
-        try:
-            d = json.loads(Path(p).read_text())
-        except (OSError, ValueError):
-            continue
-        runs = d.get("runs") if isinstance(d, dict) else None
-        for r in runs if isinstance(runs, list) else []:
+    for _, _, runs in results_files(files):
+        for r in runs:
             if "config" not in r:
                 continue
             kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
