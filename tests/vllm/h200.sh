@@ -16,6 +16,12 @@
 #                                     # machine's own torch; all of tests/ or the paths given), in
 #                                     # the background from a copy of the checkout
 #   bash tests/vllm/h200.sh kernels-wait N   # wait up to N s for it; its log to $OUT
+#   bash tests/vllm/h200.sh kbench NAME MODULE [args]   # a kernel benchmark (python3 -m MODULE
+#                                     # args --out ...) on the machine's own torch, in the
+#                                     # background from its own copy of the checkout
+#   bash tests/vllm/h200.sh kbench-get [N] [NAME]   # wait up to N s (default 0) for it; the JSON
+#                                     # and log it wrote so far to $OUT: fetch in every call of
+#                                     # a lease, so a machine lost mid-lease keeps what it measured
 #   bash tests/vllm/h200.sh warm-save   # the caches a lease's first engine fills, to $OUT
 #   bash tests/vllm/h200.sh warm-load   # restore them from $VG/warm/ (carried), before `depth`
 #
@@ -71,6 +77,13 @@ case ${1:-} in
   depth)
     # the working tree is laid anew by every device call: the job runs from a copy under /tmp
     name=${2:?depth NAME ...}
+    # a kernel benchmark still running (kbench) would share the GPU with the engines: stopped
+    for g in /tmp/kbench_out/pgid_*; do  # no file: the glob stays as written
+      [[ -f $g && ! -f /tmp/kbench_out/done_${g##*/pgid_} ]] || continue
+      kill -- -"$(cat "$g")" 2>/dev/null || continue
+      echo "stopped by depth" > /tmp/kbench_out/done_${g##*/pgid_}
+      echo "[h200] kernel benchmark ${g##*/pgid_} still running: stopped (kbench-get returns what it saved)"
+    done
     bash $VG/gpu_env.sh setup || exit 1
     rm -rf /tmp/depth_src && mkdir -p /tmp/depth_src /tmp/depth_out
     tar --exclude="./.vgpu*" -cf - . | tar -xf - -C /tmp/depth_src
@@ -174,5 +187,33 @@ case ${1:-} in
     tail -c 3000 /tmp/kern_run/tests.log
     [[ -f /tmp/kern_run/done ]] && echo "[h200] kernel suite exit status $(cat /tmp/kern_run/done)" || echo "[h200] kernel suite still running"
     cp /tmp/kern_run/tests.log "$OUTDIR/h200_gpu_tests_$commit.log" 2>/dev/null ;;
-  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds] | warm-save | warm-load"; exit 2 ;;
+  kbench)
+    # 2026-12-04: an epilogue sweep ran in the background while the bundle's parts arrived; its
+    # first rows were printed, then the machine stopped answering and took the JSON with it
+    name=${2:?kbench NAME MODULE [args]}
+    mod=${3:?kbench NAME MODULE [args]}
+    src=/tmp/kbench_src_$name
+    rm -rf "$src" /tmp/kbench_out/"$name"_* /tmp/kbench_out/{done,pgid}_"$name"
+    mkdir -p "$src" /tmp/kbench_out
+    tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C "$src"
+    args=""  # printf with no arguments would make one empty argument
+    (( $# > 3 )) && args=$(printf ' %q' "${@:4}")
+    base=/tmp/kbench_out/${name}_$commit
+    setsid nohup bash -c "echo \$\$ > /tmp/kbench_out/pgid_$name; cd $src && python3 -m $mod$args --out $base.json > $base.log 2>&1
+      echo exit status \$? > /tmp/kbench_out/done_$name" > /dev/null 2>&1 < /dev/null &
+    echo "[h200] kernel benchmark $name ($mod) started at commit $commit" ;;
+  kbench-get)
+    limit=${2:-0}
+    name=${3:-*}
+    t0=$SECONDS
+    while ! ls /tmp/kbench_out/done_$name >/dev/null 2>&1 && (( SECONDS - t0 < limit )); do sleep 5; done
+    for f in /tmp/kbench_out/${name}_*.log; do
+      [[ -f $f ]] || { echo "[h200] no kernel benchmark $name"; exit 1; }
+      n=${f##*/}; n=${n%_*}
+      if [[ -f /tmp/kbench_out/done_$n ]]; then echo "== $f (ended: $(cat /tmp/kbench_out/done_$n))"
+      else echo "== $f (still running)"; fi
+      tail -n 6 "$f"
+      cp "$f" "${f%.log}.json" "$OUTDIR"/ 2>/dev/null
+    done ;;
+  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds] | kbench NAME MODULE [args] | kbench-get [seconds] [NAME] | warm-save | warm-load"; exit 2 ;;
 esac
