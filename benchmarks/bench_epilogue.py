@@ -398,7 +398,7 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                         f"   sweep H={H} B={B} {out} W {w_name}: best {best[0]:.2f} us {best[1]}",
                         flush=True,
                     )
-            b.save()  # after every batch: a run cut short keeps what it measured
+                b.save()  # after every kind: a run cut short keeps what it measured
 
 
 def print_table(rows_: list) -> None:

@@ -320,6 +320,7 @@ def _epilogue_joint(c: dict) -> set:
     """Each tile config the epilogue plans with the weight's code path it is planned for, and
     with the output's (FP8 format, group)."""
     tiles = tuple(c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"))
+    tiles += (c["GEMV"],)  # the CUDA cores' products or the MMA
     return {("weight", tiles, c["W_FMT"]), ("output", tiles, c["OUT_FP8"], c["GROUP"])}
 
 
@@ -397,14 +398,15 @@ OPS = {
             env=lambda v: {config.PDL_ENV: v["pdl"]},
             patches=lambda target: {},
             lead=("heads", "bucket", "weights"),
-            tiles=("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"),
+            tiles=("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages", "GEMV"),
             plan_fields=lambda pl: dict(
                 bucket=pl.bucket, granularity=pl.granularity, out_format=pl.out_format
             ),
             # the tiles are the bucket's, the output's (a V tile holds whole groups; an FP8
-            # output's accumulator takes shared memory) and the weight's (its bytes) together
+            # output's accumulator takes shared memory), the weight's (its bytes) and the
+            # heads' (the few-items and GEMV rules count programs) together
             joint=_epilogue_joint,
-            joint_factors=("bucket", "weights", "out", "group"),
+            joint_factors=("heads", "bucket", "weights", "out", "group"),
         ),
     )
 }

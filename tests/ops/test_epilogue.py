@@ -36,6 +36,7 @@ import fusemla.ops.epilogue.launch as launch_mod
 from fusemla.contracts.epilogue import EPS, MIN_GROUP, EpilogueSpec, fp8_group_max, prepare
 from fusemla.errors import FuseMLAError, FuseMLATypeError, FuseMLAValueError
 from fusemla.ops.epilogue import configs
+from fusemla.platform import platform_from
 from fusemla.quant import (
     QuantizedWeight,
     quantize_fp8_weight,
@@ -865,7 +866,7 @@ def test_gemv_tiles_are_checked(device):
         launch_mod.plan(ab, cfg=dict(BLOCK_K=2 * blk, GEMV=True)).constexprs["BLOCK_K"] == 2 * blk
     )
     assert launch_mod.plan(a, cfg=dict(BLOCK_T=1, GEMV=True)).constexprs["GEMV"] is True
-    assert launch_mod.plan(a).constexprs["GEMV"] is False  # no table picks it
+    assert launch_mod.plan(a).constexprs["GEMV"] is False  # the interpreter: never the table
 
 
 def test_split_that_does_not_divide_the_latent_is_refused(device):
@@ -1453,6 +1454,45 @@ def test_fuse_token_range_follows_the_measured_crossovers():
     assert configs.describe_range(32, 64) == "32-64"
     assert configs.describe_range(1, 0) == "none"
     assert configs.describe_range(*f(16, True, "interpreter")) == "all"
+
+
+def test_one_token_bf16_output_takes_the_gemv_tiles():
+    """Where the H200 measured the GEMV variant faster (16 heads, one token, bf16 output and
+    W_UV: configs._GEMV_FEW) the CUDA table picks it, with a one-row token tile and the whole
+    latent as one chunk; more tokens, more items (128 heads), FP8 outputs or weights, ROCm and
+    the interpreter keep the MMA tables' tiles, and explicit tiles (a sweep's cfg, override)
+    replace keys of the MMA pick, not of GEMV's."""
+
+    def cfg(N=1, H=16, group=None, w_bytes=2, backend="cuda", L=512, V=128, block_k=None):
+        return configs.tiles(L, V, N, backend, group=group, block_k=block_k, w_bytes=w_bytes, H=H)[
+            1
+        ]
+
+    gemv = dict(BLOCK_T=1, BLOCK_V=32, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT=1, GEMV=True)
+    assert cfg() == gemv
+    assert cfg(H=8) == gemv  # fewer items still
+    assert cfg(L=80, V=48, H=3) == dict(gemv, BLOCK_K=128)  # fitted to the latent
+    for other in (
+        cfg(N=2),
+        cfg(H=128),
+        cfg(group=128),
+        cfg(w_bytes=1, block_k=128),
+        cfg(backend="rocm"),
+        cfg(backend="interpreter"),
+        configs.tiles(512, 128, 1, "cuda", group=None, block_k=None, H=16, rules=False)[1],
+    ):
+        assert not other.get("GEMV", False) and other["BLOCK_T"] >= 16, other
+    with configs.override(SPLIT=1):
+        assert not cfg().get("GEMV", False)
+    # the launcher: the table's pick unless tiles are given, which replace the MMA pick's keys
+    x = torch.randn(1, 16, 512).to(BF16)
+    w = torch.randn(16, 512, 128).to(BF16)
+    a = prepare(x, w)
+    cuda = platform_from("cuda", "sm_90")
+    assert launch_mod.plan(a, info=cuda).constexprs["GEMV"] is True
+    assert launch_mod.plan(a, info=cuda).constexprs["BLOCK_T"] == 1
+    forced = launch_mod.plan(a, info=cuda, cfg=dict(SPLIT=2))
+    assert forced.constexprs["GEMV"] is False and forced.constexprs["BLOCK_T"] == 16
 
 
 def test_table_split_follows_the_sweep():

@@ -246,6 +246,7 @@ def _epilogue_values(cap) -> set:
     ints = {k: x for k, x in kw.items() if type(x) is int and k not in c and k not in ones}
     out |= {(k, "% 16 == 0" if x % 16 == 0 else "% 16 != 0") for k, x in ints.items()}
     tiles = tuple(c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"))
+    tiles += (c["GEMV"],)
     layout = tuple(sorted(ones & {"s_w_k", "s_w_v"}))
     weight = (c["W_FMT"], c["W_BK"], c["W_BN"])
     out |= {
@@ -284,7 +285,7 @@ def test_the_epilogue_signature_is_the_kernels_parameter_list(kernels, name, cha
     for k, x in cap.kwargs.items():
         if isinstance(x, torch.Tensor):
             assert got["signature"][k] == TRITON_TYPE[x.dtype], k
-        elif type(x) is int and x == 1 and k not in kernel.do_not_specialize:
+        elif type(x) is int and x == 1 and k not in {*kernel.do_not_specialize, *OPTIONS}:
             assert got["signature"][k] == "constexpr" and got["constants"][k] == 1, k
     for k, value in cap.plan.constexprs.items():
         if k in ("num_warps", "num_stages"):
@@ -468,11 +469,12 @@ def test_every_pair_of_values_is_in_some_variant(variant_sets, name, op):
 def test_the_epilogue_set_stays_near_its_floor(variant_sets, name):
     """A pairwise set has at least as many rows as the two largest factors' values multiplied
     (here W_UV variants x batch buckets or outputs); the epilogue's stays near that with the
-    few rows its joint keys add, so the CI run grows by about 110 small compiles, not by a
-    cross product."""
+    few rows its joint keys add (on CUDA 24 of a floor of 18: the GEMV rule's one-token tiles at
+    16 heads need a row for the small bucket's MMA tiles at 128), so the CI run grows by about
+    110 small compiles, not by a cross product."""
     variants, _ = variant_sets["epilogue", name]
     sizes = sorted(len({v[k] for v in variants}) for k in targets.EPILOGUE_FACTORS)
-    assert len(variants) <= 1.3 * sizes[-1] * sizes[-2], len(variants)
+    assert len(variants) <= 1.4 * sizes[-1] * sizes[-2], len(variants)
 
 
 def test_a_refused_value_raises_before_any_launch():

@@ -67,6 +67,17 @@ _FP8_OUT_FEW = {1: ((64, 4, None),), 2: ((16, 4, None), (64, 1, 5))}
 #: The small bucket keeps its tiles (B = 16: 4.89 against 5.01), as do 128 heads (128 items
 #: at B = 32), ROCm and the interpreter: not measured.
 _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
+#: Launches of a few tokens on CUDA that take the GEMV variant (the CUDA cores' products, token
+#: tiles of ``next_power_of_2(N)`` rows instead of the MMA's 16): per (FP8 output, weight bytes
+#: per element), ``(most tokens, most items, (BLOCK_V, BLOCK_K, num_warps, num_stages,
+#: SPLIT))``, items counted at those tiles. Where it was measured only: 16 heads, B = 1, bf16
+#: output and W_UV, the gemv sweep's best at 2.91 us against the bucket's MMA tiles at 3.49-4.67
+#: in three earlier leases (de9c208, 26b0b51, 13ad969) and cuBLAS's bmm at 3.86 in the same run
+#: (the H200 at ef4201d,
+#: benchmarks/results/h200_epilogue_gemv_partial_ef4201d.log: that run's output, its JSON lost
+#: with the machine). FP8 outputs or weights, more tokens, 128 heads (512 items), ROCm and the
+#: interpreter keep the bucket's tiles until a sweep measures them.
+_GEMV_FEW = {(False, 2): (1, 64, (32, 512, 4, 1, 1))}
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
 #: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
@@ -176,6 +187,30 @@ def few_items_rule(
     return 1, None
 
 
+def gemv_rule(
+    N: int, H: int, L: int, V: int, w_bytes: int, fp8_out: bool, backend: str
+) -> dict | None:
+    """The GEMV tiles of :data:`_GEMV_FEW` for ``N`` tokens at ``H`` heads on CUDA (fitted to
+    L and V as the tables are), or None: the bucket's tiles."""
+    rule = _GEMV_FEW.get((fp8_out, w_bytes)) if backend == "cuda" else None
+    if rule is None:
+        return None
+    most_tokens, most_items, (bv, bk, nw, ns, split) = rule
+    bv = max(16, min(bv, triton.next_power_of_2(V)))
+    if N > most_tokens or H * triton.cdiv(V, bv) > most_items:
+        return None
+    bk = max(16, min(bk, triton.next_power_of_2(L)))
+    return dict(
+        BLOCK_T=triton.next_power_of_2(N),
+        BLOCK_V=bv,
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
+        SPLIT=split,
+        GEMV=True,
+    )
+
+
 def tiles(
     L: int,
     V: int,
@@ -186,16 +221,25 @@ def tiles(
     block_k: int | None,
     w_bytes: int = 2,
     H: int = 1,
+    rules: bool = True,
 ) -> tuple[str, dict]:
     """``(bucket, tiles)`` for ``N`` tokens at ``H`` heads: ``group`` the FP8 output's group
     (None: not FP8), ``block_k`` the weight's block-scale rows along L (None: no block scales),
     ``w_bytes`` the weight's bytes per element. A wide V tile (a large group) takes fewer
     tokens, then shorter latent chunks, then fewer pipeline stages, until it fits the
     backend's shared memory; :func:`few_items_rule` picks SPLIT (and the stages) of a launch of
-    few items."""
+    few items. :func:`gemv_rule` picks the GEMV variant for a launch of a few tokens, unless
+    ``rules`` is False or :func:`override` holds keys (explicit tiles then replace keys of the
+    MMA tables' pick)."""
     if backend not in ("cuda", "rocm", "interpreter"):
         raise ValueError(f"backend: expected 'cuda', 'rocm' or 'interpreter', got {backend!r}")
     bucket = batch_bucket(N)
+    # explicit tiles (``rules=False``, :func:`override`) replace keys of the MMA tables' pick,
+    # as before the GEMV rule: a sweep's config names the variant it measures
+    gemv = gemv_rule(N, H, L, V, w_bytes, group is not None, backend)
+    if gemv is not None and rules and not _overrides:
+        check(gemv, group=group, block_k=block_k)
+        return bucket, gemv
     table = _GPU_TILES_FP8 if group is not None else _GPU_TILES
     tiles_ = _INTERPRETER_TILES if backend == "interpreter" else table[bucket]
     bt, bv, bk, nw, ns = _fit(tiles_, L, V, group, block_k)

@@ -73,6 +73,7 @@ def plan(
         block_k=block[0] or None,
         w_bytes=w_bytes,
         H=spec.H,
+        rules=cfg is None,
     )
     if cfg is not None:
         tiles = {**tiles, **cfg}
