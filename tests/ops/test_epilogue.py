@@ -1464,9 +1464,8 @@ def test_one_token_bf16_output_takes_the_gemv_tiles():
     replace keys of the MMA pick, not of GEMV's."""
 
     def cfg(N=1, H=16, group=None, w_bytes=2, backend="cuda", L=512, V=128, block_k=None):
-        return configs.tiles(L, V, N, backend, group=group, block_k=block_k, w_bytes=w_bytes, H=H)[
-            1
-        ]
+        kw = dict(group=group, block_k=block_k, w_bytes=w_bytes, H=H)
+        return configs.tiles(L, V, N, backend, **kw)[1]
 
     gemv = dict(BLOCK_T=1, BLOCK_V=32, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT=1, GEMV=True)
     assert cfg() == gemv

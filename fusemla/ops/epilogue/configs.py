@@ -73,10 +73,9 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: SPLIT))``, items counted at those tiles. Where it was measured only: 16 heads, B = 1, bf16
 #: output and W_UV, the gemv sweep's best at 2.91 us against the bucket's MMA tiles at 3.49-4.67
 #: in three earlier leases (de9c208, 26b0b51, 13ad969) and cuBLAS's bmm at 3.86 in the same run
-#: (the H200 at ef4201d,
-#: benchmarks/results/h200_epilogue_gemv_partial_ef4201d.log: that run's output, its JSON lost
-#: with the machine). FP8 outputs or weights, more tokens, 128 heads (512 items), ROCm and the
-#: interpreter keep the bucket's tiles until a sweep measures them.
+#: (the H200 at ef4201d; h200_epilogue_gemv_partial_ef4201d.log holds that run's output, its
+#: JSON lost with the machine). FP8 outputs or weights, more tokens, 128 heads (512 items), ROCm
+#: and the interpreter keep the bucket's tiles until a sweep measures them.
 _GEMV_FEW = {(False, 2): (1, 64, (32, 512, 4, 1, 1))}
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
