@@ -293,7 +293,7 @@ def rows(b: Bench, a, vllm_quant) -> None:
                         row.update(extra)
                         if base_us:
                             row["vs_baseline"] = round(row["us"] / base_us, 3)
-        b.save()
+            b.save()  # after every batch: a run cut short keeps what it measured
 
 
 #: the sweep's tile grids: "full" every combination; "split" the small-batch study of more
