@@ -49,6 +49,10 @@ if [[ -f $VG/gpu_env.sh ]]; then cp "$VG/gpu_env.sh" "$RUN/gpu_env.sh"
 elif [[ -f $RUN/gpu_env.sh ]]; then mkdir -p "$VG" && cp "$RUN/gpu_env.sh" "$VG/gpu_env.sh"; fi
 commit=$(cat "$RUN/commit" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
+copy_checkout() {  # the checkout (no bundle, no lease scratch) into folder $1: a job's own copy
+  tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C "$1"
+}
+
 case ${1:-} in
   start)
     bash $VG/gpu_env.sh setup || exit 1
@@ -86,7 +90,7 @@ case ${1:-} in
     done
     bash $VG/gpu_env.sh setup || exit 1
     rm -rf /tmp/depth_src && mkdir -p /tmp/depth_src /tmp/depth_out
-    tar --exclude="./.vgpu*" -cf - . | tar -xf - -C /tmp/depth_src
+    copy_checkout /tmp/depth_src
     cp -r $VG /tmp/depth_src/ && echo "$commit" > /tmp/depth_out/commit
     rm -f /tmp/depth_out/done_$name
     # jobs run one after the other, separated by a lone "+": "pair ARGS" or "latency ARGS"
@@ -171,7 +175,7 @@ case ${1:-} in
     cat "$VG"/warm/warm_*.txz.* | xz -dc | tar -xPf - && echo "[h200] warm caches restored: $(ls "$VG"/warm)" ;;
   kernels)
     rm -rf /tmp/kern_src /tmp/kern_run && mkdir -p /tmp/kern_src /tmp/kern_run
-    tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C /tmp/kern_src
+    copy_checkout /tmp/kern_src
     echo "$commit" > /tmp/kern_run/commit
     paths=" tests"  # or the test paths given after `kernels`
     (( $# > 1 )) && paths=$(printf ' %q' "${@:2}")
@@ -195,7 +199,7 @@ case ${1:-} in
     src=/tmp/kbench_src_$name
     rm -rf "$src" /tmp/kbench_out/"$name"_* /tmp/kbench_out/{done,pgid}_"$name"
     mkdir -p "$src" /tmp/kbench_out
-    tar --exclude="./.vgpu*" --exclude="./.lease" -cf - . | tar -xf - -C "$src"
+    copy_checkout "$src"
     args=""  # printf with no arguments would make one empty argument
     (( $# > 3 )) && args=$(printf ' %q' "${@:4}")
     base=/tmp/kbench_out/${name}_$commit

@@ -195,18 +195,11 @@ def gemv_rule(
     if rule is None:
         return None
     most_tokens, most_items, (bv, bk, nw, ns, split) = rule
-    bv = max(16, min(bv, triton.next_power_of_2(V)))
+    bt, bv, bk, nw, ns = _fit((triton.next_power_of_2(N), bv, bk, nw, ns), L, V, None, None)
     if N > most_tokens or H * triton.cdiv(V, bv) > most_items:
         return None
-    bk = max(16, min(bk, triton.next_power_of_2(L)))
     return dict(
-        BLOCK_T=triton.next_power_of_2(N),
-        BLOCK_V=bv,
-        BLOCK_K=bk,
-        num_warps=nw,
-        num_stages=ns,
-        SPLIT=split,
-        GEMV=True,
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=split, GEMV=True
     )
 
 
@@ -235,8 +228,9 @@ def tiles(
     bucket = batch_bucket(N)
     # explicit tiles (``rules=False``, :func:`override`) replace keys of the MMA tables' pick,
     # as before the GEMV rule: a sweep's config names the variant it measures
-    gemv = gemv_rule(N, H, L, V, w_bytes, group is not None, backend)
-    if gemv is not None and rules and not _overrides:
+    use_rules = rules and not _overrides
+    gemv = gemv_rule(N, H, L, V, w_bytes, group is not None, backend) if use_rules else None
+    if gemv is not None:
         check(gemv, group=group, block_k=block_k)
         return bucket, gemv
     table = _GPU_TILES_FP8 if group is not None else _GPU_TILES
