@@ -22,6 +22,9 @@
 #   bash tests/vllm/h200.sh kbench-get [N] [NAME]   # wait up to N s (default 0) for it; the JSON
 #                                     # and log it wrote so far to $OUT: fetch in every call of
 #                                     # a lease, so a machine lost mid-lease keeps what it measured
+#   bash tests/vllm/h200.sh vtests PATHS   # tests that need the bundle's vLLM but no engine
+#                                     # (tests/vllm/test_epilogue_vllm_quant.py), in the foreground;
+#                                     # their log to $OUT
 #   bash tests/vllm/h200.sh warm-save   # the caches a lease's first engine fills, to $OUT
 #   bash tests/vllm/h200.sh warm-load   # restore them from $VG/warm/ (carried), before `depth`
 #
@@ -173,6 +176,13 @@ case ${1:-} in
   warm-load)
     ls "$VG"/warm/warm_*.txz.* > /dev/null 2>&1 || { echo "[h200] no warm caches carried"; exit 0; }
     cat "$VG"/warm/warm_*.txz.* | xz -dc | tar -xPf - && echo "[h200] warm caches restored: $(ls "$VG"/warm)" ;;
+  vtests)
+    (( $# > 1 )) || { echo "vtests PATHS"; exit 2; }
+    bash $VG/gpu_env.sh run -- python3 -m pytest -q -rs --device=cuda -p no:cacheprovider "${@:2}" \
+      > "$OUTDIR/h200_${VTAG}_vtests_$commit.log" 2>&1
+    status=$?
+    tail -n 15 "$OUTDIR/h200_${VTAG}_vtests_$commit.log"
+    echo "[h200] vtests exit status $status" ;;
   kernels)
     rm -rf /tmp/kern_src /tmp/kern_run && mkdir -p /tmp/kern_src /tmp/kern_run
     copy_checkout /tmp/kern_src
@@ -219,5 +229,5 @@ case ${1:-} in
       tail -n 6 "$f"
       cp "$f" "${f%.log}.json" "$OUTDIR"/ 2>/dev/null
     done ;;
-  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds] | kbench NAME MODULE [args] | kbench-get [seconds] [NAME] | warm-save | warm-load"; exit 2 ;;
+  *) echo "usage: $0 start | wait [seconds] | bench [bench_vllm.py args] | depth NAME [args] | then-depth NAME [args] | depth-wait [seconds] | kernels | kernels-wait [seconds] | kbench NAME MODULE [args] | kbench-get [seconds] [NAME] | vtests PATHS | warm-save | warm-load"; exit 2 ;;
 esac
