@@ -1,7 +1,7 @@
 """The one home of what the tests, the demo and the benchmarks share (free of Triton):
 
 - ``dims``: model dims (prologue and layer), DeepSeek-V3's YaRN settings, an attention config;
-- ``models``: random attention weights (``self_attn.*`` state dicts);
+- ``models``: random attention weights (``self_attn.*`` state dicts) and the epilogue's W_UV;
 - ``inputs``: random prologue inputs, poisoned caches, a float64 prologue model;
 - ``compare``: the one correctness comparison with its tolerance table;
 - ``scheduler``: the toy scheduler (block allocator, batch builder) that makes consistent
@@ -45,7 +45,13 @@ from fusemla.testing.inputs import (
     rope_f64,
     stable_seed,
 )
-from fusemla.testing.models import random_state_dict
+from fusemla.testing.models import (
+    block_fp8_w_uv,
+    exact_w_uv,
+    random_state_dict,
+    vllm_w_uv,
+    w_uv_f64,
+)
 from fusemla.testing.scheduler import (
     PADDING_ROW,
     BlockAllocator,
@@ -73,10 +79,12 @@ __all__ = [
     "PrologueSpy",
     "RequestStep",
     "Scheduler",
+    "block_fp8_w_uv",
     "build_metadata",
     "check_against_reference",
     "compare",
     "deepseek_yarn",
+    "exact_w_uv",
     "fp8_ordinal",
     "hf_config",
     "make_inputs",
@@ -91,5 +99,7 @@ __all__ = [
     "scale_value",
     "stable_seed",
     "token_request_index",
+    "vllm_w_uv",
+    "w_uv_f64",
     "weight_kind",
 ]

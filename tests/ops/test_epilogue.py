@@ -44,7 +44,14 @@ from fusemla.quant import (
     split_kv_b_proj_fp8,
 )
 from fusemla.reference.epilogue import group_quant_fp8
-from fusemla.testing import DEEPSEEK_V3, fp8_ordinal, poisoned, stable_seed
+from fusemla.testing import (
+    DEEPSEEK_V3,
+    exact_w_uv,
+    fp8_ordinal,
+    poisoned,
+    stable_seed,
+    w_uv_f64,
+)
 from fusemla.testing.spy import KernelSpy
 
 FP8 = torch.float8_e4m3fn
@@ -118,42 +125,13 @@ def _hand_block_w_uv(H, L, V, block, g, device="cpu") -> QuantizedWeight:
     return QuantizedWeight(codes.to(device), scale.to(device), "fp8", block=block)
 
 
-def _exact_w(H, L, V, g, dtype=BF16, device="cpu") -> torch.Tensor:
-    """A W_UV whose products are exact in fp32: each column v picks one latent row (distinct per
-    head) times +-2**k, so ``o[n, h*V + v] = attn_out[n, h, row] * (+-2**k)`` exactly, in any
-    summation order: the fused and the reference outputs must then agree bit for bit."""
-    assert V <= L
-    w = torch.zeros(H, L, V)
-    for h in range(H):
-        rows = torch.randperm(L, generator=g)[:V]
-        mult = torch.exp2(torch.randint(-2, 3, (V,), generator=g).float())
-        sign = torch.randint(0, 2, (V,), generator=g).float() * 2 - 1
-        w[h, rows, torch.arange(V)] = mult * sign
-    return w.to(device, dtype)
-
-
 # ----------------------------------------------------------------------------- float64 models
-
-
-def _w64(w) -> torch.Tensor:
-    """The real ``[H, L, V]`` weight in float64 (FP8: codes times their scales, exact), built
-    here from the tensors, not with ``QuantizedWeight.dequantize``."""
-    if not isinstance(w, QuantizedWeight):
-        return w.double()
-    data, s = w.data.double(), w.scale.double()
-    if w.block is not None:
-        bk, bn = w.block
-        H, K, N = w.shape
-        rows = torch.arange(K, device=s.device) // bk
-        cols = torch.arange(N, device=s.device) // bn
-        return data * s[:, rows][:, :, cols]
-    return data * (s.view(-1, 1, 1) if s.numel() > 1 else s)
 
 
 def _model64(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, mag)`` ``[N, H*V]`` float64 on the CPU: the product and ``sum_l |x w|`` (the scale
     of fp32 summation errors)."""
-    x64, w64 = x.double(), _w64(w)
+    x64, w64 = x.double(), w_uv_f64(w)
     y = torch.einsum("nhl,hlv->nhv", x64, w64)
     mag = torch.einsum("nhl,hlv->nhv", x64.abs(), w64.abs())
     N = x.shape[0]
@@ -546,7 +524,7 @@ def test_exact_products_match_reference_bit_for_bit(device, out, dtype, ue8m0):
     g = _gen("exact", out, dtype, ue8m0)
     x = _act(20, d["H"], d["L"], g, BF16, device)
     x[3] = 0.0  # a token whose groups are all zero: the eps scale
-    w = _exact_w(d["H"], d["L"], d["V"], g, BF16, device)
+    w = exact_w_uv(d["H"], d["L"], d["V"], g, BF16, device)
     if out == "act":
         o, r = _run_both(x, w)
         assert torch.equal(_bytes(o), _bytes(r))

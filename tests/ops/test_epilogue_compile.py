@@ -15,8 +15,6 @@ CUDA graphs.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch._dynamo
@@ -26,8 +24,8 @@ import fusemla
 import fusemla.ops.epilogue.launch as launch_mod
 from fusemla.contracts.epilogue import prepare
 from fusemla.ops.custom_ops import pack_epilogue, unpack_epilogue
-from fusemla.quant import QuantizedWeight, quantize_fp8_weight, split_kv_b_proj_fp8
-from fusemla.testing import poisoned, stable_seed
+from fusemla.quant import QuantizedWeight, quantize_fp8_weight
+from fusemla.testing import block_fp8_w_uv, poisoned, stable_seed, vllm_w_uv
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -73,22 +71,10 @@ def _dims(device: str) -> dict:
 def _weight(kind: str, d: dict, g, device) -> torch.Tensor | QuantizedWeight:
     H, L, V = d["H"], d["L"], d["V"]
     if kind == "plain":  # vLLM's layout: a transposed view of [L, H, V]
-        return torch.randn(L, H, V, generator=g).div(math.sqrt(L)).to(device, BF16).transpose(0, 1)
+        return vllm_w_uv(H, L, V, g, BF16, device)
     if kind == "fp8-head":
         return quantize_fp8_weight(torch.randn(H, L, V, generator=g).to(device), per_head=True)
-    b, P = d["block"], d["P"]
-    R = H * (P + V)
-    codes = (torch.randn(R, L, generator=g) * 96).clamp(-448, 448).to(FP8)
-    scale = (torch.rand(R // b, -(-L // b), generator=g) + 0.5) / (96 * math.sqrt(L))
-    _, w_uv = split_kv_b_proj_fp8(
-        codes.to(device),
-        scale.to(device),
-        num_heads=H,
-        qk_nope_head_dim=P,
-        v_head_dim=V,
-        block_size=(b, b),
-    )
-    return w_uv
+    return block_fp8_w_uv(H, d["P"], L, V, (d["block"], d["block"]), g, device)
 
 
 def _out_kw(out: str, d: dict) -> dict:

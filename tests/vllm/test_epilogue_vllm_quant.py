@@ -27,7 +27,6 @@ check.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import sys
 from pathlib import Path
@@ -39,8 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 import fusemla  # noqa: E402
-from fusemla.quant import QuantizedWeight, split_kv_b_proj_fp8  # noqa: E402
-from fusemla.testing import fp8_ordinal, poisoned, stable_seed  # noqa: E402
+from fusemla.testing import (  # noqa: E402
+    block_fp8_w_uv,
+    exact_w_uv,
+    fp8_ordinal,
+    poisoned,
+    stable_seed,
+    vllm_w_uv,
+    w_uv_f64,
+)
 
 _MISSING = harness.vllm_missing()
 if _MISSING is not None and os.environ.get("FUSEMLA_REQUIRE_VLLM") == "1":
@@ -67,51 +73,15 @@ def _dims(device: str, heads: int) -> dict:
 def _w_uv(kind: str, d: dict, g, device: str):
     """bf16 W_UV as vLLM holds it (a transposed view of ``[L, H, V]``), or W_UV split out of a
     random block-FP8 ``kv_b_proj`` as a DeepSeek-V3 checkpoint stores it."""
-    H, L, V, P = d["H"], d["L"], d["V"], d["P"]
-    if kind == "bf16":
-        return torch.randn(L, H, V, generator=g).div(math.sqrt(L)).to(device, BF16).transpose(0, 1)
-    bn, bk = d["block"]
-    rows = H * (P + V)
-    codes = (torch.randn(rows, L, generator=g) * 96).clamp(-FMAX, FMAX).to(FP8)
-    scale = torch.rand(rows // bn, -(-L // bk), generator=g).add(0.5) / (96 * math.sqrt(L))
-    _, w = split_kv_b_proj_fp8(
-        codes.to(device),
-        scale.to(device),
-        num_heads=H,
-        qk_nope_head_dim=P,
-        v_head_dim=V,
-        block_size=d["block"],
-    )
-    return w
-
-
-def _exact_w(d: dict, g, device: str) -> torch.Tensor:
-    """Each column of each head picks one latent row times +-2**k: every product is exact in
-    bf16, so fusemla and vLLM quantize the very same numbers."""
     H, L, V = d["H"], d["L"], d["V"]
-    w = torch.zeros(H, L, V)
-    for h in range(H):
-        rows = torch.randperm(L, generator=g)[:V]
-        mult = torch.exp2(torch.randint(-2, 3, (V,), generator=g).float())
-        sign = torch.randint(0, 2, (V,), generator=g).float() * 2 - 1
-        w[h, rows, torch.arange(V)] = mult * sign
-    return w.to(device, BF16)
-
-
-def _w64(w) -> torch.Tensor:
-    if not isinstance(w, QuantizedWeight):
-        return w.double()
-    bk, bn = w.block
-    _, K, N = w.shape
-    s = w.scale.double()
-    rows = torch.arange(K, device=s.device) // bk
-    cols = torch.arange(N, device=s.device) // bn
-    return w.data.double() * s[:, rows][:, :, cols]
+    if kind == "bf16":
+        return vllm_w_uv(H, L, V, g, BF16, device)
+    return block_fp8_w_uv(H, d["P"], L, V, d["block"], g, device)
 
 
 def _product64(x: torch.Tensor, w) -> torch.Tensor:
     """``[N, H*V]`` float64: the product of the operands the kernel reads."""
-    y = torch.einsum("nhl,hlv->nhv", x.double(), _w64(w))
+    y = torch.einsum("nhl,hlv->nhv", x.double(), w_uv_f64(w))
     return y.reshape(x.shape[0], -1)
 
 
@@ -265,7 +235,7 @@ def test_exact_products_equal_vllm_byte_for_byte(device, vllm_quant, ue8m0):
     N = 40
     x = torch.randn(N, d["H"], d["L"], generator=g).to(device, BF16)
     x[5] = 0.0
-    w = _exact_w(d, g, device)
+    w = exact_w_uv(d["H"], d["L"], d["V"], g, BF16, device)
     y64 = _product64(x, w)
     y = y64.float().to(BF16)
     assert torch.equal(y.double(), y64.to(y.device)), "products not exact in bf16"
