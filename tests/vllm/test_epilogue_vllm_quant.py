@@ -91,11 +91,11 @@ class _Vllm:
 
     def __init__(self, device: str):
         from vllm.config import VllmConfig, set_current_vllm_config
-        from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-        from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+        from vllm.model_executor.layers.quantization import input_quant_fp8
 
         self.device = device
-        self._cls, self._shape = QuantFP8, GroupShape
+        # GroupShape as QuantFP8's own module names it (wherever a vLLM version defines it)
+        self._cls, self._shape = input_quant_fp8.QuantFP8, input_quant_fp8.GroupShape
         self._config, self._within = VllmConfig(), set_current_vllm_config
         if device == "cuda":
             from vllm.model_executor.layers.quantization.utils import fp8_utils
@@ -226,8 +226,8 @@ def test_exact_products_equal_vllm_byte_for_byte(device, vllm_quant, ue8m0):
     multiply-by-reciprocal rule bit for bit; vLLM's equal them or, where they differ, are the
     quotient ``absmax / 448`` (one fp32 ulp away); every group whose scales are bit-equal
     (a quarter of the groups at least) has byte-equal codes. A token of zeros takes the eps
-    scale and zero codes on both sides where vLLM's path has an eps (its CUDA kernel; its CPU
-    path clamps the scale at 1 / (448 * 512) instead)."""
+    scale (by either rule) and zero codes on both sides where vLLM's path has an eps (its CUDA
+    kernel; its CPU path clamps the scale at 1 / (448 * 512) instead)."""
     heads = 16 if device == "cuda" else 2
     d = _dims(device, heads)
     group = d["groups"][-1]
@@ -247,7 +247,7 @@ def test_exact_products_equal_vllm_byte_for_byte(device, vllm_quant, ue8m0):
     if device == "cpu":
         keep[5] = False
     else:
-        assert torch.equal(s[5], vs[5]) and not bool(c[5].float().any())
+        assert not bool(c[5].float().any()) and not bool(vc[5].float().any())
     vs_ = vs.cpu()
     follows = (vs_ == mul) | (vs_ == div)
     assert bool(follows[keep].all()), "vLLM's scales follow neither rule"
