@@ -323,12 +323,15 @@ GRIDS = {
     # the CUDA cores' products (cfg GEMV) for a few tokens: token tiles of 1-8 rows (no MMA
     # padding to 16), the whole latent as one chunk read before the PDL wait (512) or four
     # chunks of one scale block's rows (128); the a85ce66 probe's streaming (2.4-2.9 us at 16
-    # heads, B = 1) is what this cuts, if anything does. Token tiles of B / 8 to B only.
+    # heads, B = 1) is what this cuts, if anything does. Token tiles of B / 8 to B only. For an
+    # FP8 output BLOCK_V 128 is one program per head and group (no meeting: 16 programs of
+    # 128 KiB at 16 heads, read at once with BLOCK_K 512), 64 and 32 meet two and four; all
+    # compile for sm_90 without spills at 4-16 warps (96-172 registers at BLOCK_V 128)
     "gemv": dict(
         bt=(1, 2, 4, 8),
-        bv=(16, 32, 128),
+        bv=(16, 32, 64, 128),
         bk=(128, 512),
-        nwns=((4, 1), (8, 1)),
+        nwns=((4, 1), (8, 1), (16, 1)),
         sp=(1, 2),
         gemv=True,
     ),
