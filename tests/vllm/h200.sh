@@ -182,7 +182,8 @@ case ${1:-} in
       > "$OUTDIR/h200_${VTAG}_vtests_$commit.log" 2>&1
     status=$?
     tail -n 15 "$OUTDIR/h200_${VTAG}_vtests_$commit.log"
-    echo "[h200] vtests exit status $status" ;;
+    echo "[h200] vtests exit status $status"
+    exit $status ;;
   kernels)
     rm -rf /tmp/kern_src /tmp/kern_run && mkdir -p /tmp/kern_src /tmp/kern_run
     copy_checkout /tmp/kern_src
