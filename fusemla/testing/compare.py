@@ -69,6 +69,13 @@ def fp8_ordinal(codes: torch.Tensor) -> torch.Tensor:
     return mag.where(c < 0x80, -mag)
 
 
+def pow2_ceil64(s: torch.Tensor) -> torch.Tensor:
+    """``2**ceil(log2 s)`` for positive ``s`` in float64, from frexp (no log2 rounding, and
+    independent of the kernels' bit tricks): the UE8M0 scale rule's model."""
+    m, e = torch.frexp(s.double())
+    return torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e))
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The raw bits of a tensor, as integers of the same width."""
     return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])

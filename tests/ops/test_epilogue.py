@@ -49,6 +49,7 @@ from fusemla.testing import (
     exact_w_uv,
     fp8_ordinal,
     poisoned,
+    pow2_ceil64,
     stable_seed,
     w_uv_f64,
 )
@@ -151,12 +152,6 @@ def _acc_slack(mag: torch.Tensor, L: int) -> torch.Tensor:
     return 3 * (L + 4) * 2.0**-24 * mag
 
 
-def _pow2_ceil64(s: torch.Tensor) -> torch.Tensor:
-    """``2**ceil(log2 s)`` for positive float64 ``s``, from frexp (independent of the bits)."""
-    m, e = torch.frexp(s)
-    return torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
-
-
 def _quant_f64(x: torch.Tensor, group: int, dtype: torch.dtype, ue8m0: bool):
     """vLLM's ``per_token_group_quant_fp8`` of fp32 ``x`` ``[N, C]``, written independently in
     float64: ``(codes [N, C] in dtype, scales [N, C / group] fp32)``.
@@ -175,7 +170,7 @@ def _quant_f64(x: torch.Tensor, group: int, dtype: torch.dtype, ue8m0: bool):
     absmax = torch.maximum(g.abs().amax(dim=2), eps32)
     s = (absmax * inv32).float().double()
     if ue8m0:
-        s = _pow2_ceil64(s)
+        s = pow2_ceil64(s)
     q = (g / s[..., None]).float().double().clamp(-fmax, fmax)
     _, e = torch.frexp(q)  # |q| in [2**(e - 1), 2**e)
     exp = torch.clamp(e - 1, min=MIN_EXP[dtype])
@@ -232,7 +227,7 @@ def _check_fp8_out(codes, scales, ref_codes, ref_scales, x, w, *, group: int, ue
     absmax64 = y64.reshape(N, G, group).abs().amax(dim=2).clamp_min(EPS)
     same_group = torch.ones(N, G, dtype=torch.bool)
     if ue8m0:
-        assert torch.equal(_pow2_ceil64(s), s), "ue8m0 scales are not powers of two"
+        assert torch.equal(pow2_ceil64(s), s), "ue8m0 scales are not powers of two"
         diff = s != rs
         if diff.any():  # only where absmax's fp32 rounding crosses a power of two
             ratio = s[diff] / rs[diff]

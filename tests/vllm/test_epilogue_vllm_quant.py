@@ -45,6 +45,7 @@ from fusemla.testing import (  # noqa: E402
     exact_w_uv,
     fp8_ordinal,
     poisoned,
+    pow2_ceil64,
     stable_seed,
     vllm_w_uv,
     w_uv_f64,
@@ -131,8 +132,7 @@ def _fused(x, w, group, *, ue8m0, scale_like: torch.Tensor):
     N = x.shape[0]
     C = x.shape[1] * w.shape[2]
     out = poisoned((N, C), FP8, x.device)
-    span = scale_like.as_strided((scale_like.untyped_storage().nbytes() // 4,), (1,), 0)
-    store = poisoned((span.numel(),), torch.float32, x.device)
+    store = poisoned((scale_like.untyped_storage().nbytes() // 4,), torch.float32, x.device)
     s_out = store.as_strided(scale_like.shape, scale_like.stride(), 0)
     c, s = fusemla.mla_epilogue(
         x, w, out=out, out_dtype=FP8, group_size=group, scale_ue8m0=ue8m0, scale_out=s_out
@@ -218,14 +218,8 @@ def _scale_rules(y: torch.Tensor, group: int, ue8m0: bool) -> tuple[torch.Tensor
     a = torch.maximum(a, torch.tensor(1e-10, dtype=torch.float32))
     mul, div = a * torch.tensor(1 / FMAX, dtype=torch.float32), a / FMAX
     if ue8m0:
-        mul, div = (_pow2_ceil(t) for t in (mul, div))
+        mul, div = (pow2_ceil64(t).float() for t in (mul, div))
     return mul, div
-
-
-def _pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """``2**ceil(log2 t)`` for positive fp32 ``t``, exactly (from frexp: no log2 rounding)."""
-    m, e = torch.frexp(t.double())
-    return torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)).float()
 
 
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32", "ue8m0"])
