@@ -41,7 +41,9 @@ def mla_epilogue(
       ``torch.float8_e4m3fn`` (``float8_e4m3fnuz`` on MI300): returns ``(codes [N, H*V],
       scales [N, H*V / group_size] fp32)``, vLLM's ``per_token_group_quant_fp8`` of the fp32
       product (per token and group: ``s = max(absmax, 1e-10) * fl(1/448)``, with ``scale_ue8m0``
-      rounded up to a power of two; codes ``clamp(o / s, +-448)`` to nearest even; 224 instead
+      rounded up to a power of two (vLLM's kernels floor ``s`` at 1e-10 before that: groups
+      with absmax below 4.5e-8 only, a token of zeros 2^-33 there, 2^-42 here);
+      codes ``clamp(o / s, +-448)`` to nearest even; 224 instead
       of 448 for e4m3fnuz, as vLLM). A group lies inside one head: ``V % group_size == 0``,
       ``group_size`` a power of two >= 16.
     - ``out``: o_proj's input buffer ``[N, H*V]`` to write (last dim contiguous, any row

@@ -3,9 +3,9 @@
 ``SPLIT`` (default 1) cuts each item's latent into that many programs whose partial sums meet
 in a workspace (the last to arrive adds them in order: deterministic); the table picks it for
 FP8 outputs of few items (:data:`_FP8_OUT_FEW`). For an FP8 output a ``BLOCK_V`` below the
-group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; no table
-picks that (the d1a0cb0 sweep: never faster than SPLIT alone); benchmarks sweep both with
-``cfg``. Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows, one of
+group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; only the
+GEMV rule picks that (:data:`_GEMV_FEW`: one token at 16 heads; with the MMA's tiles the d1a0cb0
+sweep found it never faster than SPLIT alone); benchmarks sweep both with ``cfg``. Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows, one of
 three batch buckets and, on a GPU, whether the launch has few (token tile, V tile, head) items
 (:data:`_FP8_OUT_FEW`, :data:`_BF16_OUT_FEW`: at 16 heads the buckets' tiles leave most of the
 GPU idle), never the token count itself, so a serving loop compiles a handful of variants per
@@ -70,13 +70,27 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Launches of a few tokens on CUDA that take the GEMV variant (the CUDA cores' products, token
 #: tiles of ``next_power_of_2(N)`` rows instead of the MMA's 16): per (FP8 output, weight bytes
 #: per element), ``(most tokens, most items, (BLOCK_V, BLOCK_K, num_warps, num_stages,
-#: SPLIT))``, items counted at those tiles. Where it was measured only: 16 heads, B = 1, bf16
-#: output and W_UV, the gemv sweep's best at 2.91 us against the bucket's MMA tiles at 3.49-4.67
-#: in three earlier leases (de9c208, 26b0b51, 13ad969) and cuBLAS's bmm at 3.86 in the same run
-#: (the H200 at ef4201d; h200_epilogue_gemv_partial_ef4201d.log holds that run's output, its
-#: JSON lost with the machine). FP8 outputs or weights, more tokens, 128 heads (512 items), ROCm
-#: and the interpreter keep the bucket's tiles until a sweep measures them.
-_GEMV_FEW = {(False, 2): (1, 64, (32, 512, 4, 1, 1))}
+#: SPLIT))``, items counted at those tiles (an FP8 output's group wider than BLOCK_V is cut
+#: among GROUP / BLOCK_V programs that meet, as SPLIT's do). Where it was measured only: 16
+#: heads, B = 1, us per launch on the H200, the gemv sweep's best against the bucket's MMA
+#: tiles in the same run (h200_epilogue_gemv_315c4d2.json, 36 configs per row, each checked
+#: before it was timed):
+#:
+#: - bf16 output, bf16 W_UV: 2.94 (BLOCK_V 32, whole latent, 4 warps) against 2.91 at ef4201d
+#:   and the MMA tiles' 3.49-4.67 in three earlier leases; cuBLAS's bmm 3.87.
+#: - FP8 output, bf16 W_UV: 4.02 (BLOCK_V 32, whole latent, 8 warps) against the tables' 5.05;
+#:   bmm + quant 5.39.
+#: - FP8 output, block-FP8 W_UV: 3.23 (BLOCK_V 32, 128-row chunks, 8 warps, SPLIT 2; the next
+#:   configs 3.64-3.79) against the tables' 4.78.
+#:
+#: Not measured, so the bucket's tiles stay: a bf16 output of FP8 weights (not a kind the sweep
+#: runs), more tokens (the B = 8 sweep was cut by the lease), 128 heads (512 items), ROCm, the
+#: interpreter.
+_GEMV_FEW = {
+    (False, 2): (1, 64, (32, 512, 4, 1, 1)),
+    (True, 2): (1, 64, (32, 512, 8, 1, 1)),
+    (True, 1): (1, 64, (32, 128, 8, 1, 2)),
+}
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
 #: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
@@ -198,6 +212,8 @@ def gemv_rule(
     bt, bv, bk, nw, ns = _fit((triton.next_power_of_2(N), bv, bk, nw, ns), L, V, None, None)
     if N > most_tokens or H * triton.cdiv(V, bv) > most_items:
         return None
+    while triton.cdiv(L, bk) % split:  # a latent shorter than the rule's: fewer splits
+        split //= 2
     return dict(
         BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=split, GEMV=True
     )
