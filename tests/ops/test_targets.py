@@ -469,12 +469,13 @@ def test_every_pair_of_values_is_in_some_variant(variant_sets, name, op):
 def test_the_epilogue_set_stays_near_its_floor(variant_sets, name):
     """A pairwise set has at least as many rows as the two largest factors' values multiplied
     (here W_UV variants x batch buckets or outputs); the epilogue's stays near that with the
-    few rows its joint keys add (on CUDA 24 of a floor of 18: the GEMV rule's one-token tiles at
-    16 heads need a row for the small bucket's MMA tiles at 128), so the CI run grows by about
-    110 small compiles, not by a cross product."""
+    few rows its joint keys add (on CUDA 27 of a floor of 18: the GEMV rule's one-token tiles at
+    16 heads, for a bf16 output and for FP8 outputs of bf16 and FP8 W_UV, need rows beside the
+    small bucket's MMA tiles at 128), so the CI run grows by a few small compiles per rule, not
+    by a cross product."""
     variants, _ = variant_sets["epilogue", name]
     sizes = sorted(len({v[k] for v in variants}) for k in targets.EPILOGUE_FACTORS)
-    assert len(variants) <= 1.4 * sizes[-1] * sizes[-2], len(variants)
+    assert len(variants) <= 1.5 * sizes[-1] * sizes[-2], len(variants)
 
 
 def test_a_refused_value_raises_before_any_launch():
