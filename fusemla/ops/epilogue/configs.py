@@ -4,14 +4,14 @@
 in a workspace (the last to arrive adds them in order: deterministic); the table picks it for
 FP8 outputs of few items (:data:`_FP8_OUT_FEW`). For an FP8 output a ``BLOCK_V`` below the
 group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; only the
-GEMV rule picks that (:data:`_GEMV_FEW`: one token at 16 heads; with the MMA's tiles the d1a0cb0
-sweep found it never faster than SPLIT alone); benchmarks sweep both with ``cfg``. Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows, one of
-three batch buckets and, on a GPU, whether the launch has few (token tile, V tile, head) items
+GEMV rule picks that (:data:`_GEMV_FEW`: one token at 16 heads; with the MMA's tiles the
+d1a0cb0 sweep found it never faster than SPLIT alone); benchmarks sweep both with ``cfg``.
+Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows, one of three
+batch buckets and, on a GPU, whether the launch has few (token tile, V tile, head) items
 (:data:`_FP8_OUT_FEW`, :data:`_BF16_OUT_FEW`: at 16 heads the buckets' tiles leave most of the
 GPU idle), never the token count itself, so a serving loop compiles a handful of variants per
-format. Under the
-Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide V tiles, 32-row
-latent chunks), so CPU tests run several V tiles, token tiles and chunks.
+format. Under the Triton interpreter the tiles are deliberately small (16-token tiles, 32-wide
+V tiles, 32-row latent chunks), so CPU tests run several V tiles, token tiles and chunks.
 """
 
 from __future__ import annotations
