@@ -1358,17 +1358,22 @@ def test_the_launch_runs_what_the_plan_returned(device, case, kernel_spy):
 
 def test_plan_buckets_and_tiles(device):
     """The three buckets are fixed by N alone (never the token count itself), and FP8 outputs
-    widen the V tile to a whole group."""
+    widen the V tile to a whole group (on CUDA one token at 16 heads takes the GEMV rule's
+    32-wide V tiles instead, a group's tiles meeting: VSUB)."""
     d = _dims(device)
     g = _gen("buckets")
     w = _plain_w(d["H"], d["L"], d["V"], g, BF16, device)
     plans = {}
-    for N in (1, 16, 17, 127, 128, 1000):
+    for N in (1, 2, 16, 17, 127, 128, 1000):
         x = _act(N, d["H"], d["L"], g, BF16, device)
         plans[N] = launch_mod.plan(prepare(x, w, out_dtype=FP8, group_size=d["V"]))
-    assert [plans[N].bucket for N in plans] == ["small"] * 2 + ["medium"] * 2 + ["large"] * 2
+    assert [plans[N].bucket for N in plans] == ["small"] * 3 + ["medium"] * 2 + ["large"] * 2
     for N, pl in plans.items():
-        assert pl.cfg["BLOCK_V"] >= d["V"] and pl.constexprs["GROUP"] == d["V"]
+        assert pl.constexprs["GROUP"] == d["V"]
+        if pl.constexprs["GEMV"]:
+            assert pl.cfg["BLOCK_V"] * pl.vsub == d["V"] and pl.constexprs["VSUB"] == pl.vsub
+        else:
+            assert pl.cfg["BLOCK_V"] >= d["V"] and pl.vsub == 1
         assert pl.n_items == -(-N // pl.cfg["BLOCK_T"]) * -(-d["V"] // pl.cfg["BLOCK_V"]) * d["H"]
         assert pl.n_programs == pl.n_items * pl.constexprs["SPLIT"]
 
@@ -1377,7 +1382,8 @@ def test_plan_buckets_and_tiles(device):
     def tiles(pl):
         return {k: v for k, v in pl.constexprs.items() if k not in ("SPLIT", "num_stages")}
 
-    assert tiles(plans[1]) == tiles(plans[16])
+    assert tiles(plans[2]) == tiles(plans[16])
+    assert plans[1].constexprs["GEMV"] or tiles(plans[1]) == tiles(plans[16])
     assert tiles(plans[17]) == tiles(plans[127])
     assert tiles(plans[128]) == tiles(plans[1000])
 

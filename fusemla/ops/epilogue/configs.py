@@ -83,6 +83,9 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: - FP8 output, block-FP8 W_UV: 3.23 (BLOCK_V 32, 128-row chunks, 8 warps, SPLIT 2; the next
 #:   configs 3.64-3.79) against the tables' 4.78.
 #:
+#: Timed again as the table's pick at 0c16056 (h200_epilogue_rows_0c16056.json): 2.94, 4.40,
+#: 3.63 us against cuBLAS's 3.88 and bmm + quant 5.40.
+#:
 #: Not measured, so the bucket's tiles stay: a bf16 output of FP8 weights (not a kind the sweep
 #: runs), more tokens (the B = 8 sweep was cut by the lease), 128 heads (512 items), ROCm, the
 #: interpreter.
