@@ -42,9 +42,10 @@ FULL = dict(P=128, L=512, V=128)
 SMOKE = dict(P=32, L=64, V=32)
 HEADS, BATCHES = [16, 128], [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 SWEEP_BATCHES = [1, 16, 64, 256]
-#: (output, W_UV) kinds: bf16 out of bf16 W (vLLM's own W_UV), FP8 out of bf16 W (the plugin's
-#: default FP8 handoff) and of block-FP8 W (FUSEMLA_VLLM_W_UK=stored)
-KINDS = (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8_block"))
+#: the sweep's (output, W_UV) kinds: bf16 out of bf16 W (vLLM's own W_UV) and of block-FP8 W
+#: (the layer's bf16 o_proj with W_UV as stored), FP8 out of bf16 W (the plugin's default FP8
+#: handoff) and of block-FP8 W (FUSEMLA_VLLM_W_UK=stored)
+KINDS = (("bf16", "bf16"), ("bf16", "fp8_block"), ("fp8", "bf16"), ("fp8", "fp8_block"))
 GROUP = 128
 SMOKE_GROUP = 16
 

@@ -86,8 +86,9 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Timed again as the table's pick at 0c16056 (h200_epilogue_rows_0c16056.json): 2.94, 4.40,
 #: 3.63 us against cuBLAS's 3.88 and bmm + quant 5.40.
 #:
-#: Not measured, so the bucket's tiles stay: a bf16 output of FP8 weights (not a kind the sweep
-#: runs), more tokens (the B = 8 sweep was cut by the lease), 128 heads (512 items), ROCm, the
+#: Not measured, so the bucket's tiles stay: a bf16 output of FP8 weights (a kind of
+#: bench_epilogue's sweep only since this table: 4.64 us at B = 1 on the MMA tiles), more
+#: tokens (the B = 8 sweep was cut by the lease), 128 heads (512 items), ROCm, the
 #: interpreter.
 _GEMV_FEW = {
     (False, 2): (1, 64, (32, 512, 4, 1, 1)),
