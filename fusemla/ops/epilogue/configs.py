@@ -190,6 +190,14 @@ def _fit(tiles_: tuple, L: int, V: int, group: int | None, block_k: int | None) 
     return bt, bv, bk, nw, ns
 
 
+def _dividing_split(split: int, L: int, block_k: int) -> int:
+    """The largest power of two up to ``split`` that divides the latent's ``BLOCK_K`` chunks."""
+    n_chunks = triton.cdiv(L, block_k)
+    while n_chunks % split:
+        split //= 2
+    return split
+
+
 def few_items_rule(
     items: int, w_bytes: int, fp8_out: bool, backend: str, bucket: str
 ) -> tuple[int, int | None]:
@@ -216,8 +224,7 @@ def gemv_rule(
     bt, bv, bk, nw, ns = _fit((triton.next_power_of_2(N), bv, bk, nw, ns), L, V, None, None)
     if N > most_tokens or H * triton.cdiv(V, bv) > most_items:
         return None
-    while triton.cdiv(L, bk) % split:  # a latent shorter than the rule's: fewer splits
-        split //= 2
+    split = _dividing_split(split, L, bk)  # a latent shorter than the rule's: fewer splits
     return dict(
         BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=split, GEMV=True
     )
@@ -273,10 +280,7 @@ def tiles(
             cfg["BLOCK_K"] //= 2
         else:
             break
-    n_chunks = triton.cdiv(L, cfg["BLOCK_K"])
-    while n_chunks % split:  # the largest power of two up to the rule's dividing the chunks
-        split //= 2
-    cfg["SPLIT"] = split
+    cfg["SPLIT"] = _dividing_split(split, L, cfg["BLOCK_K"])
     cfg.update(_overrides)
     check(cfg, group=group, block_k=block_k)
     return bucket, cfg
