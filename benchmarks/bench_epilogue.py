@@ -336,28 +336,69 @@ GRIDS = {
         sp=(1, 2),
         gemv=True,
     ),
+    # a few tokens beyond one, for the next lease: GEMV (bv 32, 4 or 8 warps: the B = 1
+    # sweep's winners) with token tiles of B / 2 and B, as one 3-D product or a row at a time
+    # (GEMV_ROWS); and the MMA with the whole latent as one chunk (no sweep tried BLOCK_K 512
+    # on the tensor cores: read at once, as GEMV's one-token tiles that beat cuBLAS do)
+    "tokens": [
+        dict(
+            bt=(1, 2, 4, 8, 16),
+            bv=(32,),
+            bk=(128, 512),
+            nwns=((4, 1), (8, 1)),
+            sp=(1, 2),
+            gemv=True,
+            rows=(False, True),
+            bt_frac=2,
+            max_batch=16,
+        ),
+        dict(bt=(16, 32), bv=(32, 64), bk=(512,), nwns=((4, 1), (8, 1)), sp=(1,), min_batch=8),
+    ],
 }
 
 
-def sweep_grid(name: str, smoke: bool) -> list[dict]:
-    g = GRIDS[name]
-    gemv = {"GEMV": True} if g.get("gemv") else {}
-    return [
-        dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=sp, **gemv)
-        for bt in g["bt"]
-        for bv in g["bv"]
-        for bk in ((16,) if smoke else g["bk"])
-        for nw, ns in g["nwns"]
-        for sp in g["sp"]
-    ]
+def sweep_grid(name: str, smoke: bool, B: int | None = None) -> list[dict]:
+    """The configs of grid ``name`` (each of its parts' combinations), for ``B`` tokens when
+    given: a GEMV part's token tiles of ``B / bt_frac`` (default 8) to B, and only the
+    parts whose ``min_batch`` / ``max_batch`` hold B."""
+    parts = GRIDS[name] if isinstance(GRIDS[name], list) else [GRIDS[name]]
+    out = []
+    for g in parts:
+        if B is not None and not g.get("min_batch", 0) <= B <= g.get("max_batch", 1 << 30):
+            continue
+        gemv = {"GEMV": True} if g.get("gemv") else {}
+        for bt in g["bt"]:
+            if gemv and B is not None:
+                if not B / g.get("bt_frac", 8) <= bt <= triton.next_power_of_2(B):
+                    continue
+            for rows in g.get("rows", (False,)):
+                if rows and bt == 1:  # one token: the same product either way
+                    continue
+                extra = dict(gemv, GEMV_ROWS=True) if rows else gemv
+                out += [
+                    dict(
+                        BLOCK_T=bt,
+                        BLOCK_V=bv,
+                        BLOCK_K=bk,
+                        num_warps=nw,
+                        num_stages=ns,
+                        SPLIT=sp,
+                        **extra,
+                    )
+                    for bv in g["bv"]
+                    for bk in ((16,) if smoke else g["bk"])
+                    for nw, ns in g["nwns"]
+                    for sp in g["sp"]
+                ]
+    return out
 
 
 def sweep(b: Bench, a, vllm_quant) -> None:
     dims = b.dims
-    grid = sweep_grid(a.sweep_grid, b.smoke)
     for H in a.heads:
         weights = all_layer_weights(b, H)
         for B in a.sweep_batches:
+            grid = sweep_grid(a.sweep_grid, b.smoke, B)
             xs = attention_outputs(b, H, B)
             for out, w_name in KINDS:
                 if f"{out}/{w_name}" not in a.sweep_kinds:
@@ -370,10 +411,9 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                     # more programs per head (a split latent, FP8 groups cut among
                     # programs) is for small batches
                     vsub = a.group // cfg["BLOCK_V"] if fp8 and cfg["BLOCK_V"] < a.group else 1
-                    gemv = cfg.get("GEMV", False)  # token tiles of B / 8 to B; any chunk
+                    gemv = cfg.get("GEMV", False)  # GEMV's chunks may span scale blocks
                     if (
                         cfg["BLOCK_T"] > max(16, 4 * B)
-                        or (gemv and not B / 8 <= cfg["BLOCK_T"] <= triton.next_power_of_2(B))
                         or (blk % cfg["BLOCK_K"] and not gemv)
                         or (cfg["SPLIT"] * vsub > 1 and B > 64)
                         or (dims["L"] // cfg["BLOCK_K"]) % cfg["SPLIT"]

@@ -834,8 +834,10 @@ def table(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _override(text: str) -> tuple[str, int | float]:
+def _override(text: str) -> tuple[str, int | float | bool]:
     key, _, value = text.partition("=")
+    if value in ("True", "False"):  # GEMV=True
+        return key, value == "True"
     return key, float(value) if "." in value else int(value)
 
 

@@ -784,9 +784,9 @@ def test_group_wider_than_the_v_tile_meets_in_the_workspace(device, weights, spl
 @pytest.mark.parametrize("weights", ["plain", "head", "block"])
 def test_gemv_chunks_match_the_reference(device, weights):
     """GEMV: each chunk's product on the CUDA cores (fp32 products summed over the chunk), for
-    a few tokens: token tiles of 1, 2 and 4 rows, a chunk as long as the latent (read whole
-    before the PDL wait) or several, with SPLIT and with an FP8 group wider than the V tile
-    (both meet in the workspace). bf16 and FP8 outputs agree with the reference (within the
+    a few tokens: token tiles of 1, 2 and 4 rows, as one 3-D product or a row at a time
+    (GEMV_ROWS), a chunk as long as the latent (read whole before the PDL wait) or several,
+    with SPLIT and with an FP8 group wider than the V tile (both meet in the workspace). bf16 and FP8 outputs agree with the reference (within the
     accumulation order's one step), every output byte written, the counters left at 0, and a
     second launch gives the same bytes."""
     d = _dims(device)
@@ -797,6 +797,10 @@ def test_gemv_chunks_match_the_reference(device, weights):
         dict(BLOCK_T=1, BLOCK_V=V, BLOCK_K=L, SPLIT=1),  # block weights: a chunk of all blocks
         dict(BLOCK_T=2, BLOCK_V=16, BLOCK_K=16, SPLIT=2),
         dict(BLOCK_T=4, BLOCK_V=32, BLOCK_K=16, SPLIT=1),
+        # the tile's tokens one at a time (GEMV_ROWS): a tile wider than the batch (rows
+        # beyond N read zeros), whole-latent chunks, a split
+        dict(BLOCK_T=4, BLOCK_V=16, BLOCK_K=L, SPLIT=1, GEMV_ROWS=True),
+        dict(BLOCK_T=2, BLOCK_V=32, BLOCK_K=16, SPLIT=2, GEMV_ROWS=True),
     ]
     for N in (1, 3):
         x = _act(N, H, L, g, BF16, device)
@@ -809,6 +813,7 @@ def test_gemv_chunks_match_the_reference(device, weights):
                     pl, result = _launch_poisoned(x, w, kw, cfg)
                     assert pl.constexprs["GEMV"] is True
                     assert pl.constexprs["BLOCK_T"] == cfg["BLOCK_T"]
+                    assert pl.constexprs["GEMV_ROWS"] is cfg.get("GEMV_ROWS", False)
                     if pl.split * pl.vsub > 1:
                         cnt = launch_mod.split_counters(x.device, pl.n_items)
                         assert int(cnt.count_nonzero()) == 0, "arrival counters left non-zero"
@@ -818,7 +823,8 @@ def test_gemv_chunks_match_the_reference(device, weights):
 
 
 def test_gemv_tiles_are_checked(device):
-    """A token tile below 16 rows only with GEMV (the MMA needs 16); GEMV a bool."""
+    """A token tile below 16 rows only with GEMV (the MMA needs 16); GEMV and GEMV_ROWS bools,
+    GEMV_ROWS only with GEMV."""
     d = _dims(device)
     g = _gen("gemv-bad")
     x, w = _act(3, d["H"], d["L"], g, BF16, device), _plain_w(d["H"], d["L"], d["V"], g)
@@ -829,6 +835,10 @@ def test_gemv_tiles_are_checked(device):
         launch_mod.plan(a, cfg=dict(BLOCK_T=3, GEMV=True))
     with pytest.raises(ValueError, match="GEMV: expected a bool"):
         launch_mod.plan(a, cfg=dict(GEMV=1))
+    with pytest.raises(ValueError, match="GEMV_ROWS: expected a bool"):
+        launch_mod.plan(a, cfg=dict(GEMV=True, GEMV_ROWS=1))
+    with pytest.raises(ValueError, match="a form of GEMV"):
+        launch_mod.plan(a, cfg=dict(GEMV_ROWS=True))
     # a chunk across blocks of scale rows: the dot path refuses it, GEMV scales each element
     wb = _split_test_w("block", d["H"], d["L"], d["V"], g, device)
     ab = prepare(x, wb)

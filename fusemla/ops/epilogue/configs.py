@@ -291,10 +291,16 @@ def check(cfg: dict, *, group: int | None, block_k: int | None) -> None:
     a V tile holds whole FP8 groups, or is a whole fraction of one: its GROUP / BLOCK_V tiles
     then meet in a workspace, as SPLIT's do), a latent chunk inside one block of scale rows.
     With ``GEMV`` (the CUDA cores' products: no MMA shape; block scales applied before the
-    products) a token tile may be any power of two and a chunk may span blocks."""
+    products) a token tile may be any power of two and a chunk may span blocks; ``GEMV_ROWS``
+    (its tile's tokens one at a time) only with it."""
     gemv = cfg.get("GEMV", False)
     if not isinstance(gemv, bool):
         raise ValueError(f"GEMV: expected a bool, got {gemv!r}")
+    rows = cfg.get("GEMV_ROWS", False)
+    if not isinstance(rows, bool):
+        raise ValueError(f"GEMV_ROWS: expected a bool, got {rows!r}")
+    if rows and not gemv:
+        raise ValueError("GEMV_ROWS (a token tile's rows in turn) is a form of GEMV: set GEMV too")
     for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K"):
         v, least = cfg[k], 1 if gemv and k == "BLOCK_T" else 16
         if not isinstance(v, int) or v < least or v & (v - 1):

@@ -31,7 +31,9 @@ keeps per device and stream, zero between launches: no memset per launch.
 ``GEMV``: each chunk's product on the CUDA cores instead of the tensor cores (fp32 products
 summed over the chunk), for a few tokens, where the MMA pads a token tile to 16 rows and
 stages its operands in its own layout: tiles of any power-of-two BLOCK_T, a chunk as long as
-the latent (read whole before ``gdc_wait``).
+the latent (read whole before ``gdc_wait``). A tile of several tokens takes one 3-D product
+and reduction, or with ``GEMV_ROWS`` its tokens take turns (:func:`gemv_product`): each row's
+product 2-D, in the layout the weight chunk was loaded in.
 
 ``USE_PDL`` (sm_90+): the first weight chunk is loaded before ``gdc_wait`` (weights are never
 written by the kernel before, so they overlap it); the activations only after it.
@@ -67,18 +69,47 @@ def x_chunk(p_x, o_t64, m_t, s_x_t, o_k, m_k, DOT_TY: tl.constexpr):
 
 
 @triton.jit
-def chunk_product(b_x, b_w, GEMV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``b_x [BLOCK_T, BLOCK_K] @ b_w [BLOCK_K, BLOCK_V]`` in fp32: on the tensor cores, or with
-    ``GEMV`` as products summed over the chunk on the CUDA cores (fp32 operands: no staging
-    of operands in the MMA's layout, any BLOCK_T; for a few tokens). One token: a 2-D product
-    reduced over the chunk, so the weight keeps the layout it was loaded in."""
-    if GEMV:
-        if BLOCK_T == 1:
-            return tl.sum(b_w * tl.reshape(b_x, (BLOCK_K,))[:, None], axis=0)[None, :]
-        else:
-            return tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
+def gemv_product(
+    p_xh,
+    s_x_t,
+    t0,
+    N,
+    o_t64,
+    m_t,
+    o_k,
+    m_k,
+    b_w,
+    b_sk,
+    ROW_SCALES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """GEMV's product of one chunk for the token tile's rows ``t0 .. t0 + BLOCK_T`` (``o_t64``,
+    masked by ``m_t``): ``x[rows, chunk] @ b_w`` [BLOCK_T, BLOCK_V] in fp32 on the CUDA cores,
+    the activations times each latent row's block scale ``b_sk`` with ``ROW_SCALES``. One token,
+    or ``ROWS``: a row at a time, each a 2-D product reduced over the chunk with the weight in
+    the layout it was loaded in (the row read from memory; rows at or beyond ``N`` read zeros);
+    else the tile's 3-D product ``[BLOCK_T, BLOCK_K, BLOCK_V]`` reduced over the chunk."""
+    if BLOCK_T == 1 or ROWS:
+        acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+        for j in tl.static_range(BLOCK_T):
+            row = (t0 + j).to(tl.int64)
+            m_x = m_k & (tl.full((1,), 0, tl.int64) + row < N)  # [BLOCK_K] (the row broadcast)
+            b_x = tl.load(p_xh + row * s_x_t + o_k, mask=m_x, other=0.0).to(tl.float32)
+            if ROW_SCALES:
+                b_x = b_x * b_sk
+            r = tl.sum(b_w * b_x[:, None], axis=0)
+            if BLOCK_T == 1:
+                acc = r[None, :]
+            else:
+                acc = tl.where((tl.arange(0, BLOCK_T) == j)[:, None], r[None, :], acc)
     else:
-        return tl.dot(b_x, b_w)
+        b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_k, m_k, tl.float32)
+        if ROW_SCALES:
+            b_x = b_x * b_sk[None, :]
+        acc = tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
+    return acc
 
 
 @triton.jit
@@ -240,10 +271,12 @@ def mla_epilogue_kernel(
     SPLIT: tl.constexpr,
     VSUB: tl.constexpr,
     GEMV: tl.constexpr,
+    GEMV_ROWS: tl.constexpr,
 ):
     """``W_FMT``: 0 plain weights (the activations' dtype), 1 FP8 with a per-tensor / per-head
     scale (``s_ws_h`` 0 for per tensor), 2 FP8 with ``[H, cdiv(L, W_BK), cdiv(V, W_BN)]`` block
-    scales. ``GEMV``: the chunks' products on the CUDA cores (:func:`chunk_product`)."""
+    scales. ``GEMV``: the chunks' products on the CUDA cores (:func:`gemv_product`; a row at a
+    time with ``GEMV_ROWS``)."""
     if USE_PDL and PDL_TRIGGER:  # FUSEMLA_PDL_TRIGGER: the next kernel may launch now
         gdc_launch_dependents()
     if DOT_FP32 or GEMV:  # the interpreter's dot, or the CUDA cores' products, in fp32
@@ -270,34 +303,67 @@ def mla_epilogue_kernel(
     ROW_SCALES: tl.constexpr = GEMV and W_FMT == 2 and W_BN % BLOCK_V == 0
     i_bn = (i_v * BLOCK_V) // W_BN if W_FMT == 2 else 0  # the V tile's column block
     b_w = w_chunk(p_wh, s_w_k, s_w_v, o_k0, o_k0 < L, o_v, m_v, DOT_TY)
+    b_sk = 1.0  # GEMV's per-row block scales (ROW_SCALES only)
     if ROW_SCALES:  # scales are weights too: read before the wait
         b_sk = row_scales(p_wsh, s_ws_k, s_ws_v, o_k0, o_k0 < L, i_bn, W_BK)
     elif GEMV and W_FMT == 2:
         b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_k0, o_k0 < L, o_v, m_v, W_BK, W_BN)
     if USE_PDL:
         gdc_wait()
-    b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY)
-    if ROW_SCALES:
-        b_x = b_x * b_sk[None, :]
-    acc = chunk_product(b_x, b_w, GEMV, BLOCK_T, BLOCK_K)
-    if W_FMT == 2 and not GEMV:
-        acc = acc * block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
+    t0 = i_t * BLOCK_T
+    if GEMV:
+        acc = gemv_product(
+            p_xh,
+            s_x_t,
+            t0,
+            N,
+            o_t64,
+            m_t,
+            o_k0,
+            o_k0 < L,
+            b_w,
+            b_sk,
+            ROW_SCALES,
+            GEMV_ROWS,
+            BLOCK_T,
+            BLOCK_V,
+        )
+    else:
+        acc = tl.dot(x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY), b_w)
+        if W_FMT == 2:
+            acc = acc * block_scales(p_wsh, s_ws_k, s_ws_v, k0, o_v, m_v, W_BK, W_BN)[None, :]
     for i_k in range(i_s * NKS + 1, (i_s + 1) * NKS):
         o_kk = i_k * BLOCK_K + o_k
         m_k = o_kk < L
         b_w = w_chunk(p_wh, s_w_k, s_w_v, o_kk, m_k, o_v, m_v, DOT_TY)
-        b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
         if GEMV:
             if ROW_SCALES:
-                b_x = b_x * row_scales(p_wsh, s_ws_k, s_ws_v, o_kk, m_k, i_bn, W_BK)[None, :]
+                b_sk = row_scales(p_wsh, s_ws_k, s_ws_v, o_kk, m_k, i_bn, W_BK)
             elif W_FMT == 2:
                 b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_kk, m_k, o_v, m_v, W_BK, W_BN)
-            acc += chunk_product(b_x, b_w, GEMV, BLOCK_T, BLOCK_K)
-        elif W_FMT == 2:
-            b_s = block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
-            acc += tl.dot(b_x, b_w) * b_s[None, :]
+            acc += gemv_product(
+                p_xh,
+                s_x_t,
+                t0,
+                N,
+                o_t64,
+                m_t,
+                o_kk,
+                m_k,
+                b_w,
+                b_sk,
+                ROW_SCALES,
+                GEMV_ROWS,
+                BLOCK_T,
+                BLOCK_V,
+            )
         else:
-            acc = tl.dot(b_x, b_w, acc=acc)
+            b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
+            if W_FMT == 2:
+                b_s = block_scales(p_wsh, s_ws_k, s_ws_v, i_k * BLOCK_K, o_v, m_v, W_BK, W_BN)
+                acc += tl.dot(b_x, b_w) * b_s[None, :]
+            else:
+                acc = tl.dot(b_x, b_w, acc=acc)
     o_c = i_h * V + o_v  # the output's columns (h * V + v)
     m_o = m_t[:, None] & m_v[None, :]
     # the finishing tile: VSUB V tiles of one head (this program's own tile when VSUB is 1)

@@ -112,6 +112,7 @@ def plan(
         SPLIT=split,
         VSUB=vsub,
         GEMV=bool(tiles.get("GEMV", False)),
+        GEMV_ROWS=bool(tiles.get("GEMV_ROWS", False)),
         num_warps=tiles["num_warps"],
         num_stages=tiles["num_stages"],
     )
