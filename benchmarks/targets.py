@@ -320,7 +320,7 @@ def _epilogue_joint(c: dict) -> set:
     """Each tile config the epilogue plans with the weight's code path it is planned for, and
     with the output's (FP8 format, group)."""
     tiles = tuple(c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"))
-    tiles += (c["GEMV"],)  # the CUDA cores' products or the MMA
+    tiles += (c["GEMV"], c["GEMV_ROWS"])  # the CUDA cores' products (a row at a time) or the MMA
     return {("weight", tiles, c["W_FMT"]), ("output", tiles, c["OUT_FP8"], c["GROUP"])}
 
 
@@ -398,7 +398,7 @@ OPS = {
             env=lambda v: {config.PDL_ENV: v["pdl"]},
             patches=lambda target: {},
             lead=("heads", "bucket", "weights"),
-            tiles=("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages", "GEMV"),
+            tiles=("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages", "GEMV", "GEMV_ROWS"),
             plan_fields=lambda pl: dict(
                 bucket=pl.bucket, granularity=pl.granularity, out_format=pl.out_format
             ),

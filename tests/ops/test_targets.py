@@ -246,7 +246,7 @@ def _epilogue_values(cap) -> set:
     ints = {k: x for k, x in kw.items() if type(x) is int and k not in c and k not in ones}
     out |= {(k, "% 16 == 0" if x % 16 == 0 else "% 16 != 0") for k, x in ints.items()}
     tiles = tuple(c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"))
-    tiles += (c["GEMV"],)
+    tiles += (c["GEMV"], c["GEMV_ROWS"])
     layout = tuple(sorted(ones & {"s_w_k", "s_w_v"}))
     weight = (c["W_FMT"], c["W_BK"], c["W_BN"])
     out |= {
