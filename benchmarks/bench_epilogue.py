@@ -336,8 +336,9 @@ GRIDS = {
         sp=(1, 2),
         gemv=True,
     ),
-    # a few tokens beyond one, for the next lease: GEMV (bv 32, 4 or 8 warps: the B = 1
-    # sweep's winners) with token tiles of B / 2 and B, as one 3-D product or a row at a time
+    # a few tokens beyond one, for the next lease: GEMV (bv 32, 4 or 8 warps, the whole
+    # latent or 128-row chunks split 2: the B = 1 sweep's winners at 315c4d2; split 4, which
+    # it did not try) with token tiles of B / 2 and B, as one 3-D product or a row at a time
     # (GEMV_ROWS); and the MMA with the whole latent as one chunk (no sweep tried BLOCK_K 512
     # on the tensor cores: read at once, as GEMV's one-token tiles that beat cuBLAS do)
     "tokens": [
@@ -346,7 +347,7 @@ GRIDS = {
             bv=(32,),
             bk=(128, 512),
             nwns=((4, 1), (8, 1)),
-            sp=(1, 2),
+            sp=(1, 2, 4),
             gemv=True,
             rows=(False, True),
             bt_frac=2,

@@ -54,7 +54,7 @@ def test_the_tokens_grid_per_batch():
     assert mma and {c["BLOCK_K"] for c in mma} == {512}
     big = sweep_grid("tokens", False, 64)
     assert big and not any(c.get("GEMV") for c in big)
-    for B, n in ((2, 18), (8, 32), (32, 8)):  # a lease's budget: the sweep's size per kind
+    for B, n in ((1, 8), (2, 24), (8, 40), (32, 8)):  # a lease's budget: configs per kind
         grid = sweep_grid("tokens", False, B)
         kept = [c for c in grid if (512 // c["BLOCK_K"]) % c["SPLIT"] == 0]
         assert len(kept) == n, (B, len(kept))
