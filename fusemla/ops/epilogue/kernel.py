@@ -74,8 +74,6 @@ def gemv_product(
     s_x_t,
     t0,
     N,
-    o_t64,
-    m_t,
     o_k,
     m_k,
     b_w,
@@ -85,12 +83,12 @@ def gemv_product(
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """GEMV's product of one chunk for the token tile's rows ``t0 .. t0 + BLOCK_T`` (``o_t64``,
-    masked by ``m_t``): ``x[rows, chunk] @ b_w`` [BLOCK_T, BLOCK_V] in fp32 on the CUDA cores,
-    the activations times each latent row's block scale ``b_sk`` with ``ROW_SCALES``. One token,
-    or ``ROWS``: a row at a time, each a 2-D product reduced over the chunk with the weight in
-    the layout it was loaded in (the row read from memory; rows at or beyond ``N`` read zeros);
-    else the tile's 3-D product ``[BLOCK_T, BLOCK_K, BLOCK_V]`` reduced over the chunk."""
+    """GEMV's product of one chunk for the token tile's rows ``t0 .. t0 + BLOCK_T`` (those at
+    or beyond ``N`` read zeros): ``x[rows, chunk] @ b_w`` [BLOCK_T, BLOCK_V] in fp32 on the CUDA
+    cores, the activations times each latent row's block scale ``b_sk`` with ``ROW_SCALES``.
+    One token, or ``ROWS``: a row at a time, each a 2-D product reduced over the chunk with the
+    weight in the layout it was loaded in (the row read from memory); else the tile's 3-D
+    product ``[BLOCK_T, BLOCK_K, BLOCK_V]`` reduced over the chunk."""
     if BLOCK_T == 1 or ROWS:
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
         for j in tl.static_range(BLOCK_T):
@@ -105,7 +103,8 @@ def gemv_product(
             else:
                 acc = tl.where((tl.arange(0, BLOCK_T) == j)[:, None], r[None, :], acc)
     else:
-        b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_k, m_k, tl.float32)
+        o_t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        b_x = x_chunk(p_xh, o_t, o_t < N, s_x_t, o_k, m_k, tl.float32)
         if ROW_SCALES:
             b_x = b_x * b_sk[None, :]
         acc = tl.sum(b_x[:, :, None] * b_w[None, :, :], axis=1)
@@ -313,20 +312,7 @@ def mla_epilogue_kernel(
     t0 = i_t * BLOCK_T
     if GEMV:
         acc = gemv_product(
-            p_xh,
-            s_x_t,
-            t0,
-            N,
-            o_t64,
-            m_t,
-            o_k0,
-            o_k0 < L,
-            b_w,
-            b_sk,
-            ROW_SCALES,
-            GEMV_ROWS,
-            BLOCK_T,
-            BLOCK_V,
+            p_xh, s_x_t, t0, N, o_k0, o_k0 < L, b_w, b_sk, ROW_SCALES, GEMV_ROWS, BLOCK_T, BLOCK_V
         )
     else:
         acc = tl.dot(x_chunk(p_xh, o_t64, m_t, s_x_t, o_k0, o_k0 < L, DOT_TY), b_w)
@@ -342,20 +328,7 @@ def mla_epilogue_kernel(
             elif W_FMT == 2:
                 b_w = dequantized(b_w, p_wsh, s_ws_k, s_ws_v, o_kk, m_k, o_v, m_v, W_BK, W_BN)
             acc += gemv_product(
-                p_xh,
-                s_x_t,
-                t0,
-                N,
-                o_t64,
-                m_t,
-                o_kk,
-                m_k,
-                b_w,
-                b_sk,
-                ROW_SCALES,
-                GEMV_ROWS,
-                BLOCK_T,
-                BLOCK_V,
+                p_xh, s_x_t, t0, N, o_kk, m_k, b_w, b_sk, ROW_SCALES, GEMV_ROWS, BLOCK_T, BLOCK_V
             )
         else:
             b_x = x_chunk(p_xh, o_t64, m_t, s_x_t, o_kk, m_k, DOT_TY)
