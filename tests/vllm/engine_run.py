@@ -347,6 +347,15 @@ def llm_kwargs(args, on_gpu: bool, max_batch: int) -> dict:
     )
     if args.backend:
         kw["attention_backend"] = args.backend
+    if args.speculative:
+        # n-gram drafts (no draft model): a step verifies 1 + k tokens of a request, the
+        # rejected drafts' cache rows written and later overwritten
+        kw["speculative_config"] = dict(
+            method="ngram",
+            num_speculative_tokens=args.speculative,
+            prompt_lookup_min=1,
+            prompt_lookup_max=2,
+        )
     if args.mode == "eager":
         kw["enforce_eager"] = True
     else:
@@ -486,6 +495,9 @@ def main() -> None:
     r.add_argument("--capture", action="store_true", help="per-layer outputs (eager only)")
     r.add_argument("--profile", action="store_true", help="count GPU kernels (torch profiler)")
     r.add_argument("--max-model-len", type=int, default=1024)
+    r.add_argument(
+        "--speculative", type=int, default=0, help="n-gram speculative decoding: draft tokens"
+    )
     r.add_argument(
         "--emulate-fp8-linear",
         action="store_true",

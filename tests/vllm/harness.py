@@ -72,6 +72,7 @@ class Spec:
     max_model_len: int = 1024
     env: dict = field(default_factory=dict)
     emulate_fp8: bool = False  # CPU: block-FP8 linears through fp8_emulation.py
+    speculative: int = 0  # n-gram speculative decoding with this many draft tokens (0: off)
 
 
 class Runner:
@@ -190,6 +191,8 @@ class Runner:
             cmd.append("--profile")
         if s.emulate_fp8:
             cmd.append("--emulate-fp8-linear")
+        if s.speculative:
+            cmd += ["--speculative", str(s.speculative)]
         return cmd
 
     def run(self, s: Spec) -> dict:

@@ -83,6 +83,9 @@ EPI8_STORED = {**EPI_ON, "FUSEMLA_VLLM_W_UK": "stored"}
 # first-run JIT warm-up does not fit a device lease, and its TMA-aligned scales are a layout
 # the handoff refuses: those layers would hand o_proj bf16, with the reason logged)
 EPI8_BASE_ENV = {"VLLM_USE_DEEP_GEMM": "0"}
+# n-gram speculative decoding (FUSEMLA_VLLM_GPU_ONLY group "spec"): draft tokens per step
+SPEC_K = 2
+SPEC_MODES = ("eager", "full_and_piecewise")
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
@@ -102,6 +105,7 @@ if DRYRUN:
     EPI_MODELS = ("v3-h16",)  # the models all_specs makes noise runs for (MODELS)
     EPI8_MODELS = ()
     OTHER_BACKENDS = ()
+    SPEC_MODES = ("eager",)
 
 
 def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spec:
@@ -125,7 +129,7 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
-    flashmla, epi, epi8, wuk, backends, tp2) restricts them (the noise floor of HALF_MODEL
+    flashmla, epi, epi8, wuk, spec, backends, tp2) restricts them (the noise floor of HALF_MODEL
     always runs)."""
 
     def want(g):
@@ -215,6 +219,12 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
         if not want("main") and WUK_MODELS:
             specs.append(_spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one"))
+    if want("spec"):  # n-gram speculative decoding, against vLLM's own path with it
+        for mode in SPEC_MODES:
+            specs += [
+                _spec(HALF_MODEL, f"spec-off-{mode}", False, mode, speculative=SPEC_K),
+                _spec(HALF_MODEL, f"spec-on-{mode}", True, mode, speculative=SPEC_K),
+            ]
     if want("backends"):
         mode = "full_and_piecewise"
         for b in OTHER_BACKENDS:
@@ -399,6 +409,39 @@ def test_one_fused_half(gpu_runs, half):
         return
     k = _kernels(on)
     assert k["fusemla_prologue"] > 0 and k["vllm_cache_write"] > 0, k
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_speculative_decoding(gpu_runs, mode):
+    """n-gram speculative decoding (SPEC_K draft tokens; vLLM's drafter without a draft model):
+    vLLM's GPU decode backends take a request's 1 + k tokens as one decode query (full CUDA
+    graphs capture such uniform steps), and a rejected draft's cache row is written again by a
+    later step. The plugin on against vLLM's own path with the same drafts, judged against the
+    model's noise floor, fused at every step; in eager mode the rows written and rewritten are
+    vLLM's own and more than a run without drafts writes (drafts were verified)."""
+    _need("spec")
+    runner, report = gpu_runs
+    off = runner.run(_spec(HALF_MODEL, f"spec-off-{mode}", False, mode, speculative=SPEC_K))
+    on = runner.run(_spec(HALF_MODEL, f"spec-on-{mode}", True, mode, speculative=SPEC_K))
+    floor = _floor(runner, HALF_MODEL)
+    dev = deviation(on, off)
+    _record(
+        report,
+        f"{HALF_MODEL}/spec{SPEC_K}/{mode}",
+        dev,
+        floor,
+        {"backend": on["backends"][0], "kernels_on": on["kernels"], "kernels_off": off["kernels"]},
+    )
+    assert "SpeculativeConfig(method='ngram'" in on["log"]
+    assert token_problems(on, off) == []
+    assert judge(dev, floor) == []
+    assert dev["positions_compared"] >= 30, dev
+    if mode == "eager":
+        assert accounting_problems(on, off) == []
+        plain = sum(n + new - 1 for _, _, n, new in on["schedule"])
+        rows = on["ranks"][0]["summary"]["rows_written"]
+        assert all(n > plain for n in rows.values()), (rows, plain)
+    check_fused(on, off)
 
 
 @pytest.mark.parametrize("model", FP8_MODELS)

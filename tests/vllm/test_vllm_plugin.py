@@ -367,6 +367,35 @@ def test_shape_tp2(runner):
         assert s["mixed_calls"] >= n_layers(on)
 
 
+# --------------------------------------------------------------------- speculative decoding
+
+
+def test_speculative_decoding_matches_vllm(runner):
+    """n-gram speculative decoding (2 draft tokens; vLLM's drafter without a draft model): a
+    step verifies 1 + k tokens of a request (on the CPU backend, whose decode path takes one
+    query token, they are prefill-shaped rows), and a rejected draft's cache row is written
+    again by a later step. The plugin on agrees with vLLM's own path within bf16 noise, fuses
+    every step, and writes and rewrites exactly the rows vLLM does; a planted RoPE bug fails
+    the same judge."""
+    kw = dict(shape="base", schedule="wide", backend=BACKEND, capture=True, speculative=2)
+    off = runner.run(Spec(name="spec-off", plugin=False, interpret=False, **kw))
+    on = runner.run(Spec(name="spec-on", plugin=True, **kw))
+    assert "speculative_config=SpeculativeConfig(method='ngram'" in on["log"]
+    assert problems(on, off) == []
+    check_fused_everywhere(on, off)
+    # drafts were verified: more rows written than a run without them writes (one per prompt
+    # token and per sampled token but the last), the drafts past a request's last token
+    # (else this tested nothing the schedule without drafts does not); rows rewritten and
+    # written as vLLM's own path does: accounting_problems, in problems() above
+    plain = sum(n + new - 1 for _, _, n, new in on["schedule"])
+    rows = on["ranks"][0]["summary"]["rows_written"]
+    assert all(n > plain for n in rows.values()), (rows, plain)
+    assert deviation(on, off)["steps_compared"] >= 8
+    # and the same judge fails a planted bug here: RoPE one position off
+    bad = runner.run(Spec(name="spec-rope-off-by-one", plugin=True, inject="rope_off_by_one", **kw))
+    assert any("deviation" in p for p in problems(bad, off)), problems(bad, off)
+
+
 # ------------------------------------------------------------------------------ AMX hosts
 
 
