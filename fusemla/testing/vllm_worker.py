@@ -52,7 +52,18 @@ def _layer_modules(model):
     ]
 
 
-def _install(model, inject: str, capture: bool) -> None:
+def _worker_layers(model_runner) -> list:
+    """The MLA layers of the worker's model and of its speculative drafter's model, if it has
+    one of its own (DeepSeek's MTP layer: one more MLA layer with its own cache)."""
+    layers = _layer_modules(model_runner.model)
+    draft = getattr(getattr(model_runner, "drafter", None), "model", None)
+    if isinstance(draft, torch.nn.Module) and draft is not model_runner.model:
+        seen = {id(m) for _, m in layers}
+        layers += [(n, m) for n, m in _layer_modules(draft) if id(m) not in seen]
+    return layers
+
+
+def _install(layers: list, inject: str, capture: bool) -> None:
     global _installed
     if _installed:
         return
@@ -60,7 +71,6 @@ def _install(model, inject: str, capture: bool) -> None:
     from fusemla.integrations import vllm as plugin
 
     noise = float(inject.split(":", 1)[1]) if inject.startswith("noise:") else 0.0
-    layers = _layer_modules(model)
     by_ptr = {}
     for _, w in layers:
         a = w.mla_attn
@@ -189,13 +199,14 @@ class FuseMLATestExtension:
     """Methods added to vLLM's worker (``self`` is the worker)."""
 
     def fusemla_setup(self, inject: str = "none", capture: bool = False) -> str:
-        model = self.model_runner.model
-        _install(model, inject, capture)
-        return type(_layer_modules(model)[0][1]).__name__
+        layers = _worker_layers(self.model_runner)
+        _install(layers, inject, capture)
+        return type(layers[0][1]).__name__
 
     def fusemla_backend(self) -> dict:
-        """The attention backend, block size and cache dtype vLLM chose for the MLA layers."""
-        layers = _layer_modules(self.model_runner.model)
+        """The attention backend, block size and cache dtype vLLM chose for the MLA layers (the
+        model's first; ``layers`` counts the drafter's too)."""
+        layers = _worker_layers(self.model_runner)
         a = layers[0][1].mla_attn
         kv = a.kv_cache
         return {
@@ -243,10 +254,10 @@ class FuseMLATestExtension:
     def fusemla_collect(self, out_dir: str) -> dict:
         from fusemla.integrations import vllm as plugin
 
-        model = self.model_runner.model
+        layers = _worker_layers(self.model_runner)
         rank = int(getattr(self, "rank", 0))
         arrays = {}
-        for _, w in _layer_modules(model):
+        for _, w in layers:
             # the cache rows that hold anything (the caches were zeroed before the run): the
             # whole cache is ~1 GiB here
             a = w.mla_attn
@@ -271,7 +282,7 @@ class FuseMLATestExtension:
             dup[name] = int(s.size - np.unique(s).size)
         summary = {
             "rank": rank,
-            "wrapper": type(_layer_modules(model)[0][1]).__name__,
+            "wrapper": type(layers[0][1]).__name__,
             "plugin_stats": plugin.stats(),
             "kernel_launches": _log["kernel"],
             "reference_calls": _log["reference"],

@@ -1,14 +1,17 @@
 """One vLLM engine run for the plugin tests and the vLLM benchmark (run as a script, in its own
 process: the plugin registers once per process, so plugin on and off need separate processes).
 
-    python engine_run.py make-model DIR --shape NAME[-fp8]
+    python engine_run.py make-model DIR --shape NAME[-mtp][-fp8]
     python engine_run.py run DIR OUT_DIR [--tp N] [--mode eager|compiled|piecewise|full_and_piecewise]
         [--schedule NAME] [--kv-cache-dtype auto|fp8] [--backend NAME] [--capture] [--profile]
         [--inject none|double_rope|double_write|rope_off_by_one|noise:EPS]
+        [--speculative K [--spec-method ngram|deepseek_mtp]]
 
 ``make-model`` saves a tiny DeepSeek-V3-style model (no MoE, vocab 1000, kv_lora_rank 512,
 rope 64) of one of :data:`SHAPES` with real random weights through transformers'
-``save_pretrained``. A shape name with the suffix ``-fp8`` (``v3-h16-fp8``, ``base-fp8``,
+``save_pretrained``; with the suffix ``-mtp`` it has one multi-token-prediction layer too (a
+MoE layer, for vLLM's ``deepseek_mtp`` drafter: ``run --speculative 1 --spec-method
+deepseek_mtp``). A shape name with the suffix ``-fp8`` (``v3-h16-fp8``, ``base-fp8``,
 ``seed:3-fp8``) is the same model (same dims, same weights) saved the way DeepSeek-V3's own
 checkpoint is: every linear weight of the decoder layers as float8_e4m3fn codes with an fp32
 ``weight_scale_inv`` per 128x128 block (dequantized weight = codes * scale) and
@@ -59,6 +62,7 @@ SHAPES = {
 }
 
 FP8_SUFFIX = "-fp8"  # SHAPES name + this: that model as a DeepSeek-V3-style block-FP8 checkpoint
+MTP_SUFFIX = "-mtp"  # SHAPES name + this (before -fp8): with one multi-token-prediction layer
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size (output rows, input columns)
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -129,9 +133,18 @@ def split_fp8(name: str) -> tuple[str, bool]:
     return name, False
 
 
+def split_mtp(name: str) -> tuple[str, bool]:
+    """``NAME-mtp[-fp8]`` -> ``(NAME[-fp8], True)``; any other name -> ``(name, False)``."""
+    base, fp8 = split_fp8(name)
+    if base.endswith(MTP_SUFFIX):
+        return base[: -len(MTP_SUFFIX)] + (FP8_SUFFIX if fp8 else ""), True
+    return name, False
+
+
 def shape_dims(name: str) -> tuple:
-    """The dims of a shape name: a :data:`SHAPES` key or ``seed:<int>``, optionally ``-fp8``."""
-    base, _ = split_fp8(name)
+    """The dims of a shape name: a :data:`SHAPES` key or ``seed:<int>``, optionally ``-mtp``
+    then ``-fp8``."""
+    base, _ = split_fp8(split_mtp(name)[0])
     if base.startswith("seed:"):
         return shape_from_seed(int(base[5:]))
     return SHAPES[base]
@@ -246,14 +259,52 @@ def _save_fp8(path: str) -> None:
         f.write("\n")
 
 
+def _save_mtp(path: str, layers: int) -> None:
+    """Rewrites the model of ``layers + 1`` decoder layers save_pretrained wrote in ``path`` as
+    a model of ``layers`` with DeepSeek-V3's multi-token-prediction layer (config
+    ``num_nextn_predict_layers`` 1; vLLM's ``deepseek_mtp`` drafter): the last decoder layer's
+    weights stay under ``model.layers.<layers>``, with the MTP layer's own norms (``enorm``,
+    ``hnorm``, ``shared_head.norm``: ones), ``eh_proj`` (random) and ``shared_head.head`` (a
+    copy of lm_head). The MTP layer is a MoE layer when ``first_k_dense_replace`` <= layers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    fn = os.path.join(path, "model.safetensors")
+    tensors = load_file(fn)
+    pre = f"model.layers.{layers}."
+    assert any(k.startswith(pre) for k in tensors), "no decoder layer to make the MTP layer of"
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    g = torch.Generator().manual_seed(1)
+    dt = tensors["lm_head.weight"].dtype
+    tensors[pre + "enorm.weight"] = torch.ones(hidden, dtype=dt)
+    tensors[pre + "hnorm.weight"] = torch.ones(hidden, dtype=dt)
+    tensors[pre + "shared_head.norm.weight"] = torch.ones(hidden, dtype=dt)
+    eh = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    tensors[pre + "eh_proj.weight"] = eh.to(dt)
+    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, fn, metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = layers
+    cfg["num_nextn_predict_layers"] = 1
+    # the MoE routing transformers' DeepseekV3 implements (and saved its router's bias for)
+    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def make_model(path: str, shape, fp8: bool = False) -> None:
     """Saves the model of ``shape`` (a shape name, see :func:`shape_dims`, or a dims tuple) in
     ``path``; block FP8 (see the module docstring) with ``fp8`` or a ``-fp8`` name."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    mtp = False
     if isinstance(shape, str):
         fp8 = fp8 or split_fp8(shape)[1]
+        mtp = split_mtp(shape)[1]
         dims = shape_dims(shape)
     else:
         dims = shape
@@ -264,7 +315,8 @@ def make_model(path: str, shape, fp8: bool = False) -> None:
         hidden_size=hidden,
         intermediate_size=mlp,
         moe_intermediate_size=128,
-        num_hidden_layers=layers,
+        # -mtp: one layer more, saved as DeepSeek-V3's multi-token-prediction layer (below)
+        num_hidden_layers=layers + mtp,
         num_attention_heads=heads,
         num_key_value_heads=heads,
         q_lora_rank=q_lora or None,
@@ -310,6 +362,8 @@ def make_model(path: str, shape, fp8: bool = False) -> None:
         perm = torch.randperm(emb.shape[0])
         model.lm_head.weight.copy_(emb[perm] + 0.3 * torch.randn_like(emb))
     model.to(torch.bfloat16).save_pretrained(path)
+    if mtp:
+        _save_mtp(path, layers)
     if fp8:
         _save_fp8(path)
     meta = {
@@ -321,6 +375,8 @@ def make_model(path: str, shape, fp8: bool = False) -> None:
         "hidden": hidden,
         "mlp": mlp,
     }
+    if mtp:
+        meta["mtp_layers"] = 1
     if fp8:
         meta["fp8_blocks"] = list(FP8_BLOCK)
     with open(os.path.join(path, "fusemla_shape.json"), "w") as f:
@@ -348,14 +404,16 @@ def llm_kwargs(args, on_gpu: bool, max_batch: int) -> dict:
     if args.backend:
         kw["attention_backend"] = args.backend
     if args.speculative:
-        # n-gram drafts (no draft model): a step verifies 1 + k tokens of a request, the
-        # rejected drafts' cache rows written and later overwritten
-        kw["speculative_config"] = dict(
-            method="ngram",
-            num_speculative_tokens=args.speculative,
-            prompt_lookup_min=1,
-            prompt_lookup_max=2,
-        )
+        # a step verifies 1 + k tokens of a request, the rejected drafts' cache rows written
+        # and later overwritten: n-gram drafts (no draft model), or DeepSeek's MTP layer (a
+        # -mtp model; the drafter's MLA layer is one more layer the plugin runs, on the
+        # target's attention backend)
+        spec = dict(method=args.spec_method, num_speculative_tokens=args.speculative)
+        if args.spec_method == "ngram":
+            spec.update(prompt_lookup_min=1, prompt_lookup_max=2)
+        elif args.backend:
+            spec["attention_backend"] = args.backend
+        kw["speculative_config"] = spec
     if args.mode == "eager":
         kw["enforce_eager"] = True
     else:
@@ -476,8 +534,9 @@ def main() -> None:
         "--shape",
         default="base",
         type=_shape_arg,
-        help=f"one of {sorted(SHAPES)} or seed:<int>; any of them + {FP8_SUFFIX!r}: the same "
-        "model as a DeepSeek-V3-style block-FP8 checkpoint",
+        help=f"one of {sorted(SHAPES)} or seed:<int>; any of them + {MTP_SUFFIX!r}: with one "
+        f"MTP layer; + {FP8_SUFFIX!r} (last): the same model as a DeepSeek-V3-style block-FP8 "
+        "checkpoint",
     )
     r = sub.add_parser("run")
     r.add_argument("model")
@@ -495,9 +554,8 @@ def main() -> None:
     r.add_argument("--capture", action="store_true", help="per-layer outputs (eager only)")
     r.add_argument("--profile", action="store_true", help="count GPU kernels (torch profiler)")
     r.add_argument("--max-model-len", type=int, default=1024)
-    r.add_argument(
-        "--speculative", type=int, default=0, help="n-gram speculative decoding: draft tokens"
-    )
+    r.add_argument("--speculative", type=int, default=0, help="speculative decoding: drafts")
+    r.add_argument("--spec-method", default="ngram", choices=("ngram", "deepseek_mtp"))
     r.add_argument(
         "--emulate-fp8-linear",
         action="store_true",

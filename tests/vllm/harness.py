@@ -72,7 +72,8 @@ class Spec:
     max_model_len: int = 1024
     env: dict = field(default_factory=dict)
     emulate_fp8: bool = False  # CPU: block-FP8 linears through fp8_emulation.py
-    speculative: int = 0  # n-gram speculative decoding with this many draft tokens (0: off)
+    speculative: int = 0  # speculative decoding with this many draft tokens (0: off)
+    spec_method: str = "ngram"  # or "deepseek_mtp" (a -mtp shape)
 
 
 class Runner:
@@ -192,7 +193,7 @@ class Runner:
         if s.emulate_fp8:
             cmd.append("--emulate-fp8-linear")
         if s.speculative:
-            cmd += ["--speculative", str(s.speculative)]
+            cmd += ["--speculative", str(s.speculative), "--spec-method", s.spec_method]
         return cmd
 
     def run(self, s: Spec) -> dict:

@@ -1,6 +1,7 @@
 """``engine_run.py``'s ``-fp8`` shapes: the same model as the plain shape, saved the way
 DeepSeek-V3's checkpoint is (block-FP8 decoder-layer linear weights with ``weight_scale_inv``,
-``quantization_config`` in config.json). Needs transformers and safetensors, not vLLM."""
+``quantization_config`` in config.json), and its ``-mtp`` shapes (one multi-token-prediction
+layer more). Needs transformers and safetensors, not vLLM."""
 
 from __future__ import annotations
 
@@ -130,3 +131,34 @@ def _block_absmax(w):
     p = torch.zeros(gn * 128, gk * 128)
     p[:n, :k] = w.abs()
     return p.view(gn, 128, gk, 128).amax(dim=(1, 3))
+
+
+def test_mtp_shape(tmp_path):
+    """``-mtp`` (before ``-fp8``): the shape's dims, one decoder layer more saved as DeepSeek-V3's
+    multi-token-prediction layer: config ``num_hidden_layers`` the shape's, ``num_nextn_predict
+    _layers`` 1, the MTP layer's own tensors beside its decoder weights (a MoE layer: the
+    shape's layers are dense), the router's bias read by noaux_tc."""
+    assert engine_run.split_mtp("v3-h16-mtp") == ("v3-h16", True)
+    assert engine_run.split_mtp("v3-h16-mtp-fp8") == ("v3-h16-fp8", True)
+    assert engine_run.split_mtp("v3-h16-fp8") == ("v3-h16-fp8", False)
+    assert engine_run.shape_dims("base-mtp-fp8") == engine_run.SHAPES["base"]
+    assert engine_run._shape_arg("seed:3-mtp") == "seed:3-mtp"
+    path = tmp_path / "base-mtp"
+    engine_run.make_model(str(path), "base-mtp")
+    cfg = json.loads((path / "config.json").read_text())
+    layers = engine_run.SHAPES["base"][4]
+    assert cfg["num_hidden_layers"] == layers and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["topk_method"] == "noaux_tc"
+    t = load_file(str(path / "model.safetensors"))
+    pre = f"model.layers.{layers}."
+    hidden = t["model.embed_tokens.weight"].shape[1]
+    assert t[pre + "eh_proj.weight"].shape == (hidden, 2 * hidden)
+    assert torch.equal(t[pre + "shared_head.head.weight"], t["lm_head.weight"])
+    for k in ("enorm", "hnorm", "shared_head.norm"):
+        assert torch.equal(
+            t[pre + k + ".weight"], torch.ones(hidden, dtype=t[pre + k + ".weight"].dtype)
+        )
+    assert pre + "self_attn.kv_b_proj.weight" in t and pre + "mlp.gate.weight" in t
+    assert pre + "mlp.gate.e_score_correction_bias" in t
+    assert not any(k.startswith(f"model.layers.{layers + 1}.") for k in t)
+    assert json.loads((path / "fusemla_shape.json").read_text())["mtp_layers"] == 1

@@ -83,9 +83,12 @@ EPI8_STORED = {**EPI_ON, "FUSEMLA_VLLM_W_UK": "stored"}
 # first-run JIT warm-up does not fit a device lease, and its TMA-aligned scales are a layout
 # the handoff refuses: those layers would hand o_proj bf16, with the reason logged)
 EPI8_BASE_ENV = {"VLLM_USE_DEEP_GEMM": "0"}
-# n-gram speculative decoding (FUSEMLA_VLLM_GPU_ONLY group "spec"): draft tokens per step
+# speculative decoding (FUSEMLA_VLLM_GPU_ONLY group "spec"): n-gram drafts (SPEC_K per step)
+# on HALF_MODEL, and DeepSeek's MTP drafter (one draft token) on HALF_MODEL with an MTP layer
 SPEC_K = 2
 SPEC_MODES = ("eager", "full_and_piecewise")
+MTP_MODEL = HALF_MODEL + "-mtp"
+MTP = dict(speculative=1, spec_method="deepseek_mtp")
 MAX_LEN = 2048
 SCHEDULE = "gpu"
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
@@ -219,12 +222,15 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
         if not want("main") and WUK_MODELS:
             specs.append(_spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one"))
-    if want("spec"):  # n-gram speculative decoding, against vLLM's own path with it
+    if want("spec"):  # speculative decoding, against vLLM's own path with the same drafter
         for mode in SPEC_MODES:
             specs += [
                 _spec(HALF_MODEL, f"spec-off-{mode}", False, mode, speculative=SPEC_K),
                 _spec(HALF_MODEL, f"spec-on-{mode}", True, mode, speculative=SPEC_K),
+                _spec(MTP_MODEL, f"mtp-off-{mode}", False, mode, **MTP),
+                _spec(MTP_MODEL, f"mtp-on-{mode}", True, mode, **MTP),
             ]
+        specs.append(_spec(MTP_MODEL, "mtp-noise-eager", False, inject=f"noise:{NOISE}", **MTP))
     if want("backends"):
         mode = "full_and_piecewise"
         for b in OTHER_BACKENDS:
@@ -335,14 +341,16 @@ def _kernels(res: dict, rank: int = 0) -> dict:
     return k["counts"]
 
 
-def check_fused(on: dict, off: dict, rank: int = 0) -> None:
+def check_fused(on: dict, off: dict, rank: int = 0, mixed: bool = True) -> None:
     """The fused path ran in every layer at every step, counted on the GPU itself: as many
-    fusemla kernels as vLLM's own run had cache-write kernels, and no vLLM cache write."""
+    fusemla kernels as vLLM's own run had cache-write kernels, and no vLLM cache write; mixed
+    steps among them (unless ``mixed`` is False)."""
     s = stats(on, rank)
     layers = on["backends"][rank]["layers"]
     assert s["layers_fused"] == layers and not s.get("layers_vllm"), s
     assert not s.get("fallback_calls"), s
-    assert s["mixed_calls"] >= layers, s  # mixed steps (they run outside full graphs too)
+    if mixed:
+        assert s["mixed_calls"] >= layers, s  # mixed steps (they run outside full graphs too)
     if DRYRUN:
         return
     k_on, k_off = _kernels(on, rank), _kernels(off, rank)
@@ -417,8 +425,7 @@ def test_speculative_decoding(gpu_runs, mode):
     vLLM's GPU decode backends take a request's 1 + k tokens as one decode query (full CUDA
     graphs capture such uniform steps), and a rejected draft's cache row is written again by a
     later step. The plugin on against vLLM's own path with the same drafts, judged against the
-    model's noise floor, fused at every step; in eager mode the rows written and rewritten are
-    vLLM's own and more than a run without drafts writes (drafts were verified)."""
+    model's noise floor (measured without drafts), as :func:`_judge_speculative` says."""
     _need("spec")
     runner, report = gpu_runs
     off = runner.run(_spec(HALF_MODEL, f"spec-off-{mode}", False, mode, speculative=SPEC_K))
@@ -433,6 +440,41 @@ def test_speculative_decoding(gpu_runs, mode):
         {"backend": on["backends"][0], "kernels_on": on["kernels"], "kernels_off": off["kernels"]},
     )
     assert "SpeculativeConfig(method='ngram'" in on["log"]
+    _judge_speculative(on, off, dev, floor, mode)
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_mtp_speculative_decoding(gpu_runs, mode):
+    """DeepSeek's multi-token-prediction drafter (vLLM's ``deepseek_mtp``, one draft token) on
+    HALF_MODEL with an MTP layer (a MoE layer): the drafter's MLA layer, with its own cache, is
+    one more layer the plugin fuses; a request's 1 + 1 tokens are one decode query. Against
+    vLLM's own path with the same drafter, judged against this model's noise floor (with the
+    drafter), fused at every step in every layer, the drafter's included."""
+    _need("spec")
+    runner, report = gpu_runs
+    off = runner.run(_spec(MTP_MODEL, f"mtp-off-{mode}", False, mode, **MTP))
+    on = runner.run(_spec(MTP_MODEL, f"mtp-on-{mode}", True, mode, **MTP))
+    floor = _floor(runner, MTP_MODEL, "mtp-", **MTP)
+    dev = deviation(on, off)
+    _record(
+        report,
+        f"{MTP_MODEL}/mtp/{mode}",
+        dev,
+        floor,
+        {"backend": on["backends"][0], "kernels_on": on["kernels"], "kernels_off": off["kernels"]},
+    )
+    assert "SpeculativeConfig(method='mtp'" in on["log"]
+    assert on["backends"][0]["layers"] == 4  # the model's three and the drafter's
+    # the dry run's CPU backend takes every step's 1 + 1 tokens per request as prefill rows
+    _judge_speculative(on, off, dev, floor, mode, mixed=not DRYRUN)
+
+
+def _judge_speculative(
+    on: dict, off: dict, dev: dict, floor: dict, mode: str, mixed: bool = True
+) -> None:
+    """A speculative-decoding pair: greedy tokens, the numbers against the floor, fused; in eager
+    mode the rows vLLM writes and rewrites, and more writes than a run without drafts makes
+    (one per prompt token and sampled token but the last: drafts were verified)."""
     assert token_problems(on, off) == []
     assert judge(dev, floor) == []
     assert dev["positions_compared"] >= 30, dev
@@ -441,7 +483,7 @@ def test_speculative_decoding(gpu_runs, mode):
         plain = sum(n + new - 1 for _, _, n, new in on["schedule"])
         rows = on["ranks"][0]["summary"]["rows_written"]
         assert all(n > plain for n in rows.values()), (rows, plain)
-    check_fused(on, off)
+    check_fused(on, off, mixed=mixed)
 
 
 @pytest.mark.parametrize("model", FP8_MODELS)

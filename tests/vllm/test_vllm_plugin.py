@@ -80,9 +80,10 @@ def n_layers(res: dict) -> int:
     return res["backends"][0]["layers"]
 
 
-def check_fused_everywhere(on: dict, off: dict, rank: int = 0) -> None:
+def check_fused_everywhere(on: dict, off: dict, rank: int = 0, step_kinds: bool = True) -> None:
     """Every layer fused; every step of every layer one launch of the Triton kernel itself; every
-    cache row written by it; steps of all three kinds seen."""
+    cache row written by it; steps of all three kinds seen (unless ``step_kinds`` is False: a
+    run whose every step is prefill-shaped)."""
     s = stats(on, rank)
     summary = on["ranks"][rank]["summary"]
     total = sum(off["ranks"][rank]["summary"]["rows_written"].values())
@@ -96,6 +97,8 @@ def check_fused_everywhere(on: dict, off: dict, rank: int = 0) -> None:
     assert s["decode_tokens"] + s["prefill_tokens"] == total
     assert not s.get("vllm_rope_tokens") and not s.get("vllm_cache_write_tokens")
     assert not s.get("fallback_calls")
+    if not step_kinds:
+        return
     # staggered requests: mixed steps, and steps with decode or prefill tokens alone
     L = n_layers(on)
     assert s["mixed_calls"] >= L, s
@@ -370,6 +373,17 @@ def test_shape_tp2(runner):
 # --------------------------------------------------------------------- speculative decoding
 
 
+def assert_drafts_verified(on: dict) -> None:
+    """Drafts were verified: more cache-row writes per layer than a run without drafts makes
+    (one per prompt token and per sampled token but the last; drafts add rows past a request's
+    last token and rewrite rejected ones), else the run tested nothing the schedule without
+    drafts does not. That the rows written and rewritten are vLLM's own is
+    accounting_problems, in problems()."""
+    plain = sum(n + new - 1 for _, _, n, new in on["schedule"])
+    rows = on["ranks"][0]["summary"]["rows_written"]
+    assert all(n > plain for n in rows.values()), (rows, plain)
+
+
 def test_speculative_decoding_matches_vllm(runner):
     """n-gram speculative decoding (2 draft tokens; vLLM's drafter without a draft model): a
     step verifies 1 + k tokens of a request (on the CPU backend, whose decode path takes one
@@ -383,17 +397,37 @@ def test_speculative_decoding_matches_vllm(runner):
     assert "speculative_config=SpeculativeConfig(method='ngram'" in on["log"]
     assert problems(on, off) == []
     check_fused_everywhere(on, off)
-    # drafts were verified: more rows written than a run without them writes (one per prompt
-    # token and per sampled token but the last), the drafts past a request's last token
-    # (else this tested nothing the schedule without drafts does not); rows rewritten and
-    # written as vLLM's own path does: accounting_problems, in problems() above
-    plain = sum(n + new - 1 for _, _, n, new in on["schedule"])
-    rows = on["ranks"][0]["summary"]["rows_written"]
-    assert all(n > plain for n in rows.values()), (rows, plain)
+    assert_drafts_verified(on)
     assert deviation(on, off)["steps_compared"] >= 8
     # and the same judge fails a planted bug here: RoPE one position off
     bad = runner.run(Spec(name="spec-rope-off-by-one", plugin=True, inject="rope_off_by_one", **kw))
     assert any("deviation" in p for p in problems(bad, off)), problems(bad, off)
+
+
+def test_mtp_speculative_decoding_matches_vllm(runner):
+    """DeepSeek's multi-token-prediction drafter (vLLM's ``deepseek_mtp``, 1 draft token; the
+    ``base-mtp`` model, whose MTP layer is a MoE layer): the drafter's MLA layer, with its own
+    cache, is one more layer the plugin fuses. Against vLLM's own path with the same drafter:
+    within bf16 noise in all three layers (per-layer outputs, logprobs, cache rows), every
+    layer's rows written and rewritten as vLLM's, every launch the Triton kernel. On the CPU
+    backend every step is prefill-shaped (a request's 1 + 1 tokens; the drafter's passes)."""
+    kw = dict(
+        shape="base-mtp",
+        schedule="wide",
+        backend=BACKEND,
+        capture=True,
+        speculative=1,
+        spec_method="deepseek_mtp",
+    )
+    off = runner.run(Spec(name="mtp-off", plugin=False, interpret=False, **kw))
+    on = runner.run(Spec(name="mtp-on", plugin=True, **kw))
+    assert "speculative_config=SpeculativeConfig(method='mtp'" in on["log"]
+    assert problems(on, off) == []
+    assert n_layers(on) == 3  # the model's two and the drafter's
+    check_fused_everywhere(on, off, step_kinds=False)
+    assert_drafts_verified(on)
+    d = deviation(on, off)
+    assert d["layers"] == 3 and d["steps_compared"] >= 8, d
 
 
 # ------------------------------------------------------------------------------ AMX hosts
