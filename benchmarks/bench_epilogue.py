@@ -354,6 +354,19 @@ GRIDS = {
             max_batch=16,
         ),
         dict(bt=(16, 32), bv=(32, 64), bk=(512,), nwns=((4, 1), (8, 1)), sp=(1,), min_batch=8),
+        # one token per program with a whole FP8 group (no meeting, no atomics): B x 16
+        # programs at 16 heads, W_UV read once from HBM and B - 1 times from L2 (one token's
+        # 16 programs of 128 KiB took 4.3-5.2 us at 315c4d2)
+        dict(
+            bt=(1,),
+            bv=(128,),
+            bk=(512,),
+            nwns=((8, 1), (16, 1)),
+            sp=(1,),
+            gemv=True,
+            min_batch=2,
+            max_batch=16,
+        ),
     ],
 }
 

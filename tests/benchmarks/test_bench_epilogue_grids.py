@@ -41,20 +41,23 @@ def test_the_gemv_grid_has_token_tiles_below_the_mma_and_whole_latent_chunks():
 
 def test_the_tokens_grid_per_batch():
     """The tokens grid: GEMV's token tiles of B / 2 to B up to 16 tokens, both forms of a
-    tile of several rows (3-D product, GEMV_ROWS) and one form of a one-row tile; the MMA's
-    whole-latent chunks from 8 tokens."""
+    tile of several rows (3-D product, GEMV_ROWS) and one form of a one-row tile; one-token
+    programs of a whole group from 2 tokens; the MMA's whole-latent chunks from 8 tokens."""
     two = sweep_grid("tokens", False, 2)
     assert {c["BLOCK_T"] for c in two} == {1, 2} and all(c.get("GEMV") for c in two)
+    # a whole FP8 group per one-token program from 2 tokens, not at one (the B = 1 sweep's)
+    assert any(c["BLOCK_V"] == 128 and c["BLOCK_T"] == 1 for c in two)
+    assert not any(c["BLOCK_V"] == 128 for c in sweep_grid("tokens", False, 1))
     assert not any(c.get("GEMV_ROWS") for c in two if c["BLOCK_T"] == 1)
     rows = {c.get("GEMV_ROWS", False) for c in two if c["BLOCK_T"] == 2}
     assert rows == {False, True}
     eight = sweep_grid("tokens", False, 8)
-    assert {c["BLOCK_T"] for c in eight if c.get("GEMV")} == {4, 8}
+    assert {c["BLOCK_T"] for c in eight if c.get("GEMV") and c["BLOCK_V"] < 128} == {4, 8}
     mma = [c for c in eight if not c.get("GEMV")]
     assert mma and {c["BLOCK_K"] for c in mma} == {512}
     big = sweep_grid("tokens", False, 64)
     assert big and not any(c.get("GEMV") for c in big)
-    for B, n in ((1, 8), (2, 24), (8, 40), (32, 8)):  # a lease's budget: configs per kind
+    for B, n in ((1, 8), (2, 26), (8, 42), (32, 8)):  # a lease's budget: configs per kind
         grid = sweep_grid("tokens", False, B)
         kept = [c for c in grid if (512 // c["BLOCK_K"]) % c["SPLIT"] == 0]
         assert len(kept) == n, (B, len(kept))
