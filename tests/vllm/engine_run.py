@@ -214,49 +214,68 @@ def _fp8_quantized(name: str) -> bool:
     return name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _FP8_LINEARS
 
 
-def _save_fp8(path: str) -> None:
-    """Rewrites the bf16 model save_pretrained wrote in ``path`` as a block-FP8 checkpoint: one
-    model.safetensors (the shards and their index removed) and quantization_config."""
-    import glob
-
-    import torch
-    from safetensors.torch import load_file, save_file
+def _load_saved(path: str) -> dict:
+    """Every tensor save_pretrained wrote in ``path`` (one file or shards with their index)."""
+    from safetensors.torch import load_file
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, s) for s in shards]
+            files = [
+                os.path.join(path, s) for s in sorted(set(json.load(f)["weight_map"].values()))
+            ]
     else:
         files = [os.path.join(path, "model.safetensors")]
     tensors = {}
     for fn in files:
         tensors.update(load_file(fn))
+    return tensors
+
+
+def _resave(path: str, tensors: dict) -> None:
+    """``tensors`` as the one model.safetensors of ``path`` (shards and their index removed)."""
+    import glob
+
+    from safetensors.torch import save_file
+
+    for fn in glob.glob(os.path.join(path, "model*.safetensors*")):
+        os.remove(fn)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _update_config(path: str, **kw) -> None:
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(kw)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _save_fp8(path: str) -> None:
+    """Rewrites the bf16 model save_pretrained wrote in ``path`` as a block-FP8 checkpoint: one
+    model.safetensors (the shards and their index removed) and quantization_config."""
+    import torch
+
     out = {}
-    for name, t in tensors.items():
+    for name, t in _load_saved(path).items():
         if _fp8_quantized(name):
             assert t.dim() == 2, (name, t.shape)
             out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, FP8_BLOCK)
         else:
             out[name] = t
     assert any(t.dtype == torch.float8_e4m3fn for t in out.values())
-    for fn in set(files) | set(glob.glob(os.path.join(path, "model-*.safetensors"))):
-        os.remove(fn)
-    if os.path.exists(index):
-        os.remove(index)
-    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": list(FP8_BLOCK),
-    }
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    _resave(path, out)
+    _update_config(
+        path,
+        quantization_config={
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(FP8_BLOCK),
+        },
+    )
 
 
 def _save_mtp(path: str, layers: int) -> None:
@@ -267,10 +286,8 @@ def _save_mtp(path: str, layers: int) -> None:
     ``hnorm``, ``shared_head.norm``: ones), ``eh_proj`` (random) and ``shared_head.head`` (a
     copy of lm_head). The MTP layer is a MoE layer when ``first_k_dense_replace`` <= layers."""
     import torch
-    from safetensors.torch import load_file, save_file
 
-    fn = os.path.join(path, "model.safetensors")
-    tensors = load_file(fn)
+    tensors = _load_saved(path)
     pre = f"model.layers.{layers}."
     assert any(k.startswith(pre) for k in tensors), "no decoder layer to make the MTP layer of"
     hidden = tensors["model.embed_tokens.weight"].shape[1]
@@ -282,22 +299,21 @@ def _save_mtp(path: str, layers: int) -> None:
     eh = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
     tensors[pre + "eh_proj.weight"] = eh.to(dt)
     tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file(tensors, fn, metadata={"format": "pt"})
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["num_hidden_layers"] = layers
-    cfg["num_nextn_predict_layers"] = 1
+    _resave(path, tensors)
     # the MoE routing transformers' DeepseekV3 implements (and saved its router's bias for)
-    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    _update_config(
+        path,
+        num_hidden_layers=layers,
+        num_nextn_predict_layers=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    )
 
 
 def make_model(path: str, shape, fp8: bool = False) -> None:
     """Saves the model of ``shape`` (a shape name, see :func:`shape_dims`, or a dims tuple) in
-    ``path``; block FP8 (see the module docstring) with ``fp8`` or a ``-fp8`` name."""
+    ``path``; block FP8 (see the module docstring) with ``fp8`` or a ``-fp8`` name; with a
+    multi-token-prediction layer (:func:`_save_mtp`) with a ``-mtp`` name."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
