@@ -283,8 +283,8 @@ def _save_mtp(path: str, layers: int) -> None:
     a model of ``layers`` with DeepSeek-V3's multi-token-prediction layer (config
     ``num_nextn_predict_layers`` 1; vLLM's ``deepseek_mtp`` drafter): the last decoder layer's
     weights stay under ``model.layers.<layers>``, with the MTP layer's own norms (``enorm``,
-    ``hnorm``, ``shared_head.norm``: ones), ``eh_proj`` (random) and ``shared_head.head`` (a
-    copy of lm_head). The MTP layer is a MoE layer when ``first_k_dense_replace`` <= layers."""
+    ``hnorm``, ``shared_head.norm``: ones), ``eh_proj`` (the embedding's half the identity, plus
+    noise) and ``shared_head.head`` (a copy of lm_head). The MTP layer is a MoE layer when ``first_k_dense_replace`` <= layers."""
     import torch
 
     tensors = _load_saved(path)
@@ -296,7 +296,13 @@ def _save_mtp(path: str, layers: int) -> None:
     tensors[pre + "enorm.weight"] = torch.ones(hidden, dtype=dt)
     tensors[pre + "hnorm.weight"] = torch.ones(hidden, dtype=dt)
     tensors[pre + "shared_head.norm.weight"] = torch.ones(hidden, dtype=dt)
-    eh = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    # eh_proj [hidden, 2 hidden] over (enorm(next token's embedding), hnorm(hidden state)):
+    # the embedding passed through (plus noise), so the MTP layer's residual stream carries a
+    # token's embedding as the model's does and its greedy draft wins by many bf16 ulps (see
+    # lm_head in make_model): a draft picked from a near tie would flip with a legitimate
+    # rounding difference, and the rejected draft's cache row with it
+    eh = torch.randn(hidden, 2 * hidden, generator=g) * (0.1 / (2 * hidden) ** 0.5)
+    eh[:, :hidden] += torch.eye(hidden)
     tensors[pre + "eh_proj.weight"] = eh.to(dt)
     tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     _resave(path, tensors)
