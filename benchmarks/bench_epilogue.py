@@ -419,7 +419,8 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                     continue
                 fp8 = out == "fp8"
                 layers = [w[0] if w_name == "bf16" else w[1] for w in weights]
-                blk = layers[0].block[0] if w_name == "fp8_block" else 128
+                # a dot's chunk lies inside one block of scale rows (plain W: no blocks)
+                blk = layers[0].block[0] if w_name == "fp8_block" else None
                 best = None
                 for cfg in grid:
                     # more programs per head (a split latent, FP8 groups cut among
@@ -428,7 +429,7 @@ def sweep(b: Bench, a, vllm_quant) -> None:
                     gemv = cfg.get("GEMV", False)  # GEMV's chunks may span scale blocks
                     if (
                         cfg["BLOCK_T"] > max(16, 4 * B)
-                        or (blk % cfg["BLOCK_K"] and not gemv)
+                        or (blk and blk % cfg["BLOCK_K"] and not gemv)
                         or (cfg["SPLIT"] * vsub > 1 and B > 64)
                         or (dims["L"] // cfg["BLOCK_K"]) % cfg["SPLIT"]
                     ):

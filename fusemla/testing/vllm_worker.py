@@ -57,7 +57,10 @@ def _worker_layers(model_runner) -> list:
     one of its own (DeepSeek's MTP layer: one more MLA layer with its own cache)."""
     layers = _layer_modules(model_runner.model)
     draft = getattr(getattr(model_runner, "drafter", None), "model", None)
-    if isinstance(draft, torch.nn.Module) and draft is not model_runner.model:
+    # vLLM 0.33's CUDA runner wraps the drafter's model (a graph wrapper that forwards
+    # attributes, not an nn.Module): anything with named_modules; the H200 suite at c7061be
+    # found no drafter layer through an isinstance check
+    if hasattr(draft, "named_modules") and draft is not model_runner.model:
         seen = {id(m) for _, m in layers}
         layers += [(n, m) for n, m in _layer_modules(draft) if id(m) not in seen]
     return layers
