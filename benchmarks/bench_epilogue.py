@@ -336,11 +336,12 @@ GRIDS = {
         sp=(1, 2),
         gemv=True,
     ),
-    # a few tokens beyond one, for the next lease: GEMV (bv 32, 4 or 8 warps, the whole
-    # latent or 128-row chunks split 2: the B = 1 sweep's winners at 315c4d2; split 4, which
-    # it did not try) with token tiles of B / 2 and B, as one 3-D product or a row at a time
-    # (GEMV_ROWS); and the MMA with the whole latent as one chunk (no sweep tried BLOCK_K 512
-    # on the tensor cores: read at once, as GEMV's one-token tiles that beat cuBLAS do)
+    # a few tokens beyond one: GEMV (bv 32, 4 or 8 warps, the whole latent or 128-row chunks
+    # split 2: the B = 1 sweep's winners at 315c4d2; split 4, which it did not try) with token
+    # tiles of B / 2 and B, as one 3-D product or a row at a time (GEMV_ROWS); and the MMA with
+    # the whole latent as one chunk (read at once, as GEMV's one-token tiles that beat cuBLAS
+    # do). First run on an H100 at c7061be (docs/results.md): one token per program won at 2
+    # and 8 tokens; the MMA part did not run (a filter, fixed since)
     "tokens": [
         dict(
             bt=(1, 2, 4, 8, 16),
