@@ -68,10 +68,12 @@ _FP8_OUT_FEW = {1: ((64, 4, None),), 2: ((16, 4, None), (64, 1, 5))}
 #: at B = 32), ROCm and the interpreter: not measured.
 _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Launches of a few tokens on CUDA that take the GEMV variant (the CUDA cores' products, token
-#: tiles of ``next_power_of_2(N)`` rows instead of the MMA's 16): per (FP8 output, weight bytes
-#: per element), ``(most tokens, most items, (BLOCK_V, BLOCK_K, num_warps, num_stages,
-#: SPLIT))``, items counted at those tiles (an FP8 output's group wider than BLOCK_V is cut
-#: among GROUP / BLOCK_V programs that meet, as SPLIT's do). Where it was measured only: 16
+#: tiles of fewer rows than the MMA's 16): per (FP8 output, weight bytes per element), entries
+#: ``(most tokens, most items, (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages, SPLIT))``,
+#: the first whose bounds hold applies; ``BLOCK_T`` None is one tile of
+#: ``next_power_of_2(N)`` rows, 1 one token per program; items counted at those tiles (an FP8
+#: output's group wider than BLOCK_V is cut among GROUP / BLOCK_V programs that meet, as
+#: SPLIT's do). Where it was measured only: 16
 #: heads, B = 1, us per launch on the H200, the gemv sweep's best against the bucket's MMA
 #: tiles in the same run (h200_epilogue_gemv_315c4d2.json, 36 configs per row, each checked
 #: before it was timed):
@@ -91,9 +93,9 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: tokens (the B = 8 sweep was cut by the lease), 128 heads (512 items), ROCm, the
 #: interpreter.
 _GEMV_FEW = {
-    (False, 2): (1, 64, (32, 512, 4, 1, 1)),
-    (True, 2): (1, 64, (32, 512, 8, 1, 1)),
-    (True, 1): (1, 64, (32, 128, 8, 1, 2)),
+    (False, 2): ((1, 64, (1, 32, 512, 4, 1, 1)),),
+    (True, 2): ((1, 64, (1, 32, 512, 8, 1, 1)),),
+    (True, 1): ((1, 64, (1, 32, 128, 8, 1, 2)),),
 }
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
@@ -217,17 +219,15 @@ def gemv_rule(
 ) -> dict | None:
     """The GEMV tiles of :data:`_GEMV_FEW` for ``N`` tokens at ``H`` heads on CUDA (fitted to
     L and V as the tables are), or None: the bucket's tiles."""
-    rule = _GEMV_FEW.get((fp8_out, w_bytes)) if backend == "cuda" else None
-    if rule is None:
-        return None
-    most_tokens, most_items, (bv, bk, nw, ns, split) = rule
-    bt, bv, bk, nw, ns = _fit((triton.next_power_of_2(N), bv, bk, nw, ns), L, V, None, None)
-    if N > most_tokens or H * triton.cdiv(V, bv) > most_items:
-        return None
-    split = _dividing_split(split, L, bk)  # a latent shorter than the rule's: fewer splits
-    return dict(
-        BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns, SPLIT=split, GEMV=True
-    )
+    entries = _GEMV_FEW.get((fp8_out, w_bytes), ()) if backend == "cuda" else ()
+    for most_tokens, most_items, (bt, bv, bk, nw, ns, split) in entries:
+        bt = triton.next_power_of_2(N) if bt is None else bt
+        bt, bv, bk, nw, ns = _fit((bt, bv, bk, nw, ns), L, V, None, None)
+        if N <= most_tokens and triton.cdiv(N, bt) * H * triton.cdiv(V, bv) <= most_items:
+            split = _dividing_split(split, L, bk)  # a latent shorter than the rule's: fewer
+            cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            return dict(cfg, SPLIT=split, GEMV=True)
+    return None
 
 
 def tiles(
