@@ -13,12 +13,12 @@ readout are one code path for both kernels (per op: its variants, its launch mod
 
 Each op's variant set covers every pair of its factor values at least once per target (the
 epilogue's completed with a row for each tile config its plan picks with a weight path or an
-output kind that no pair row holds: its tiles follow the bucket, the output, the group and the
-weight's bytes together), so every constexpr value its plan can pick is compiled. The
+output kind that no pair row holds: its tiles follow the token count, the output, the group and
+the weight's bytes together), so every constexpr value its plan can pick is compiled. The
 prologue's factors: heads x tile bucket, weight format and layout, activation dtype, cache
 dtype and its scale, query output, RoPE style, rotation, batch kind, PDL, index and table
-dtypes. The epilogue's: heads, batch
-bucket (N = 1, 32, 300), W_UV format and layout (plain V-contiguous / K-major / vLLM's view,
+dtypes. The epilogue's: heads, tokens
+(N = 1, 2, 8: the small bucket's GEMV rules; 32, 300: the medium and large buckets), W_UV format and layout (plain V-contiguous / K-major / vLLM's view,
 FP8 per tensor / per head / block scales in both FP8 dtypes), activation dtype, output (the
 activations' dtype, FP8 e4m3fn, e4m3fnuz), the FP8 scales' layout, ue8m0 scales, the group size
 (128, DeepSeek's; 16, the smallest), PDL. A value the library refuses on a target (e4m3fnuz on
@@ -236,10 +236,11 @@ def prologue_args(v: dict, D: int | None = None):
 
 # ------------------------------------------------------------------- the epilogue's variants
 
-#: tokens per epilogue batch bucket (epilogue configs: small <= 16 < medium < 128 <= large);
-#: as Triton specializes the token count N (the kernel leaves it specializable), 1, a
-#: multiple of 16 and neither
-EPILOGUE_BUCKET_N = {"small": 1, "medium": 32, "large": 300}
+#: the epilogue's token counts: one per tile pick of the plan (epilogue configs: small <= 16 <
+#: medium < 128 <= large; in the small bucket the GEMV rule's 1, 2 and 3-8 tokens); as Triton
+#: specializes the token count N (the kernel leaves it specializable), 1, a multiple of 16 and
+#: neither
+EPILOGUE_TOKENS = (1, 2, 8, 32, 300)
 #: W_UV variants: format[.granularity].layout[.fp8 dtype], made as the library makes them.
 #: Layouts: V (contiguous [H, L, V], stride 1 along V), K (K-major, stride 1 along L:
 #: quantize_fp8_weight's default and the layout split_kv_b_proj_fp8 gives block-FP8 W_UV), vllm
@@ -255,7 +256,7 @@ EPILOGUE_WEIGHTS = tuple(
 #: smallest, the most groups per V tile). scales / ue8m0 / group mean nothing for out=act.
 EPILOGUE_FACTORS: dict[str, tuple] = dict(
     heads=(16, 128),
-    bucket=tuple(EPILOGUE_BUCKET_N),
+    tokens=EPILOGUE_TOKENS,
     weights=EPILOGUE_WEIGHTS,
     act=("bf16", "fp16"),
     out=("act", "e4m3fn", "e4m3fnuz"),
@@ -304,8 +305,8 @@ def _w_uv(H: int, act: str, spec: str):
 def epilogue_args(v: dict, N: int | None = None):
     """Validated :class:`EpilogueArgs` for epilogue variant ``v`` (attn_out ``[N, H, L]``
     contiguous, the outputs the contract allocates): what a launch sees; values never read.
-    ``N``: tokens other than the bucket's."""
-    H, N = int(v["heads"]), EPILOGUE_BUCKET_N[v["bucket"]] if N is None else N
+    ``N``: tokens other than the variant's."""
+    H, N = int(v["heads"]), int(v["tokens"]) if N is None else N
     return epilogue_contract.prepare(
         torch.empty(N, H, DIMS["L"], dtype=DTYPES[v["act"]]),
         _w_uv(H, v["act"], v["weights"]),
@@ -397,16 +398,16 @@ OPS = {
             args=epilogue_args,
             env=lambda v: {config.PDL_ENV: v["pdl"]},
             patches=lambda target: {},
-            lead=("heads", "bucket", "weights"),
+            lead=("heads", "tokens", "weights"),
             tiles=("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages", "GEMV", "GEMV_ROWS"),
             plan_fields=lambda pl: dict(
                 bucket=pl.bucket, granularity=pl.granularity, out_format=pl.out_format
             ),
-            # the tiles are the bucket's, the output's (a V tile holds whole groups; an FP8
+            # the tiles are the token count's, the output's (a V tile holds whole groups; an FP8
             # output's accumulator takes shared memory), the weight's (its bytes) and the
             # heads' (the few-items and GEMV rules count programs) together
             joint=_epilogue_joint,
-            joint_factors=("heads", "bucket", "weights", "out", "group"),
+            joint_factors=("heads", "tokens", "weights", "out", "group"),
         ),
     )
 }

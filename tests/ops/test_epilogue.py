@@ -1445,13 +1445,13 @@ def test_fuse_token_range_follows_the_measured_crossovers():
     assert configs.describe_range(*f(16, True, "interpreter")) == "all"
 
 
-def test_one_token_takes_the_gemv_tiles_where_measured():
-    """Where the H200 measured the GEMV variant faster (16 heads, one token: a bf16 output of
-    bf16 W_UV, an FP8 output of bf16 or block-FP8 W_UV; configs._GEMV_FEW) the CUDA table
-    picks it, with a one-row token tile and 32-wide V tiles (an FP8 group's four meet); more
-    tokens, more items (128 heads), a bf16 output of FP8 weights, ROCm and the interpreter keep
-    the MMA tables' tiles, and explicit tiles (a sweep's cfg, override) replace keys of the MMA
-    pick, not of GEMV's."""
+def test_few_tokens_take_the_gemv_tiles_where_measured():
+    """Where a GPU measured the GEMV variant faster (16 heads; configs._GEMV_FEW: one token on
+    the H200, two and eight on an H100) the CUDA table picks it: a one-row token tile, one
+    token per program, 32-wide V tiles up to two tokens (an FP8 group's four meet), a whole
+    group from three to eight; a bf16 output of 1-byte weights up to two tokens only. More
+    tokens, more heads (128), ROCm and the interpreter keep the MMA tables' tiles, and explicit
+    tiles (a sweep's cfg, override) replace keys of the MMA pick, not of GEMV's."""
 
     def cfg(N=1, H=16, group=None, w_bytes=2, backend="cuda", L=512, V=128, block_k=None):
         kw = dict(group=group, block_k=block_k, w_bytes=w_bytes, H=H)
@@ -1459,7 +1459,7 @@ def test_one_token_takes_the_gemv_tiles_where_measured():
 
     gemv = dict(BLOCK_T=1, BLOCK_V=32, BLOCK_K=512, num_warps=4, num_stages=1, SPLIT=1, GEMV=True)
     assert cfg() == gemv
-    assert cfg(H=8) == gemv  # fewer items still
+    assert cfg(H=8) == gemv  # fewer heads still
     assert cfg(L=80, V=48, H=3) == dict(gemv, BLOCK_K=128)  # fitted to the latent
     assert cfg(group=128) == dict(gemv, num_warps=8)  # FP8 out, bf16 W_UV: 4 V tiles per group
     fp8_w = dict(gemv, BLOCK_K=128, num_warps=8, SPLIT=2)
@@ -1467,13 +1467,28 @@ def test_one_token_takes_the_gemv_tiles_where_measured():
     # a latent of one 128-row chunk cannot be split: SPLIT falls to what divides its chunks
     assert cfg(group=128, w_bytes=1, block_k=128, L=128) == dict(fp8_w, SPLIT=1)
     assert cfg(group=128, w_bytes=1, block_k=128, L=384)["SPLIT"] == 1  # 3 chunks
+    # two tokens: one per program, the whole latent
+    two = dict(gemv, num_warps=8)
+    assert cfg(N=2) == two
+    assert cfg(N=2, group=128) == gemv
+    assert cfg(N=2, group=128, w_bytes=1, block_k=128) == two
+    assert cfg(N=2, w_bytes=1, block_k=128) == cfg(N=1, w_bytes=1, block_k=128) == two
+    # three to eight: one token per program, a whole group each
+    group = dict(two, BLOCK_V=128)
+    for N in (3, 4, 8):
+        assert cfg(N=N) == cfg(N=N, group=128) == group, N
+        assert cfg(N=N, group=128, w_bytes=1, block_k=128) == group, N
+    assert cfg(N=8, V=48) == dict(group, BLOCK_V=64)  # fitted to V
     for other in (
-        cfg(N=2),
-        cfg(N=2, group=128),
+        cfg(N=9),
+        cfg(N=9, group=128),
+        cfg(N=16, group=128, w_bytes=1, block_k=128),
+        cfg(N=3, w_bytes=1, block_k=128),  # bf16 out of FP8 W_UV: not swept above 2 tokens
+        cfg(H=17),
         cfg(H=128),
-        cfg(H=128, group=128, w_bytes=1, block_k=128),
-        cfg(w_bytes=1, block_k=128),
+        cfg(N=2, H=128, group=128, w_bytes=1, block_k=128),
         cfg(backend="rocm"),
+        cfg(N=2, backend="rocm"),
         cfg(backend="interpreter"),
         configs.tiles(512, 128, 1, "cuda", group=None, block_k=None, H=16, rules=False)[1],
     ):
@@ -1481,14 +1496,15 @@ def test_one_token_takes_the_gemv_tiles_where_measured():
     with configs.override(SPLIT=1):
         assert not cfg().get("GEMV", False)
     # the launcher: the table's pick unless tiles are given, which replace the MMA pick's keys
-    x = torch.randn(1, 16, 512).to(BF16)
-    w = torch.randn(16, 512, 128).to(BF16)
-    a = prepare(x, w)
-    cuda = platform_from("cuda", "sm_90")
-    assert launch_mod.plan(a, info=cuda).constexprs["GEMV"] is True
-    assert launch_mod.plan(a, info=cuda).constexprs["BLOCK_T"] == 1
-    forced = launch_mod.plan(a, info=cuda, cfg=dict(SPLIT=2))
-    assert forced.constexprs["GEMV"] is False and forced.constexprs["BLOCK_T"] == 16
+    for n in (1, 4):
+        x = torch.randn(n, 16, 512).to(BF16)
+        w = torch.randn(16, 512, 128).to(BF16)
+        a = prepare(x, w)
+        cuda = platform_from("cuda", "sm_90")
+        assert launch_mod.plan(a, info=cuda).constexprs["GEMV"] is True
+        assert launch_mod.plan(a, info=cuda).constexprs["BLOCK_T"] == 1
+        forced = launch_mod.plan(a, info=cuda, cfg=dict(SPLIT=2))
+        assert forced.constexprs["GEMV"] is False and forced.constexprs["BLOCK_T"] == 16
 
 
 def test_table_split_follows_the_sweep():
@@ -1496,7 +1512,8 @@ def test_table_split_follows_the_sweep():
     measured it faster: an FP8 output of few items (16 heads, B <= 64): bf16 W_UV split in 4 at
     16 items and 5 stages up to 64, 1-byte W_UV split in 4 up to 64 items; never a bf16 output,
     128 heads, the large bucket, ROCm, the interpreter, or a SPLIT that leaves latent chunks
-    over. Two tokens stand for the smallest batch: one takes the GEMV rule (the test above)."""
+    over. Nine tokens stand for the smallest batch: 16 heads of up to eight take the GEMV rule
+    (the test above)."""
 
     def cfg(N, H=16, w_bytes=2, group=128, backend="cuda", L=512, block_k=None):
         return configs.tiles(
@@ -1507,19 +1524,19 @@ def test_table_split_follows_the_sweep():
         return cfg(*a, **k)["SPLIT"]
 
     base = dict(cfg(2, H=128))  # 128 items: the bucket's own tiles
-    assert split(2) == split(16) == 4 and cfg(2)["num_stages"] == base["num_stages"]
+    assert split(9) == split(16) == 4 and cfg(9)["num_stages"] == base["num_stages"]
     assert split(32) == 1 and cfg(32)["num_stages"] == cfg(64)["num_stages"] == 5
     assert split(65) == 1 and cfg(65)["num_stages"] == cfg(65, H=128)["num_stages"] == 3
     fp8w = dict(w_bytes=1, block_k=128)
-    assert split(2, **fp8w) == split(32, **fp8w) == split(64, **fp8w) == 4
+    assert split(9, **fp8w) == split(32, **fp8w) == split(64, **fp8w) == 4
     assert split(65, **fp8w) == 1  # 80 items
     assert cfg(64, **fp8w)["num_stages"] == cfg(64, H=128, **fp8w)["num_stages"]
-    assert split(2, group=None) == 1 and cfg(32, group=None)["num_stages"] == 3  # bf16 out
+    assert split(9, group=None) == 1 and cfg(32, group=None)["num_stages"] == 3  # bf16 out
     assert split(2, H=128) == split(2, H=128, **fp8w) == 1
-    assert split(2, backend="interpreter") == 1
+    assert split(9, backend="interpreter") == 1
     # ROCm keeps the bucket's tiles (its LDS would cut the 5 stages' latent chunks: unmeasured)
-    assert split(2, backend="rocm") == 1 and cfg(32, backend="rocm")["num_stages"] == 3
+    assert split(9, backend="rocm") == 1 and cfg(32, backend="rocm")["num_stages"] == 3
     assert split(128, **fp8w) == 1  # the large bucket's 64-token tiles: not swept
-    assert split(2, L=256) == 2  # two 128-row chunks: the largest power of two dividing them
+    assert split(9, L=256) == 2  # two 128-row chunks: the largest power of two dividing them
     with configs.override(SPLIT=1, num_stages=3):
-        assert split(2) == 1 and cfg(32)["num_stages"] == 3  # a sweep's explicit tiles win
+        assert split(9) == 1 and cfg(32)["num_stages"] == 3  # a sweep's explicit tiles win

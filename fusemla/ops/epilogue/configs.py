@@ -4,7 +4,7 @@
 in a workspace (the last to arrive adds them in order: deterministic); the table picks it for
 FP8 outputs of few items (:data:`_FP8_OUT_FEW`). For an FP8 output a ``BLOCK_V`` below the
 group cuts each group among ``GROUP / BLOCK_V`` programs that meet the same way; only the
-GEMV rule picks that (:data:`_GEMV_FEW`: one token at 16 heads; with the MMA's tiles the
+GEMV rule picks that (:data:`_GEMV_FEW`: 1-2 tokens at 16 heads; with the MMA's tiles the
 d1a0cb0 sweep found it never faster than SPLIT alone); benchmarks sweep both with ``cfg``.
 Keyed on the output kind (bf16 / FP8 with its group), the weight's block rows, one of three
 batch buckets and, on a GPU, whether the launch has few (token tile, V tile, head) items
@@ -69,14 +69,15 @@ _FP8_OUT_FEW = {1: ((64, 4, None),), 2: ((16, 4, None), (64, 1, 5))}
 _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Launches of a few tokens on CUDA that take the GEMV variant (the CUDA cores' products, token
 #: tiles of fewer rows than the MMA's 16): per (FP8 output, weight bytes per element), entries
-#: ``(most tokens, most items, (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages, SPLIT))``,
+#: ``(most tokens, most heads, (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages, SPLIT))``,
 #: the first whose bounds hold applies; ``BLOCK_T`` None is one tile of
-#: ``next_power_of_2(N)`` rows, 1 one token per program; items counted at those tiles (an FP8
-#: output's group wider than BLOCK_V is cut among GROUP / BLOCK_V programs that meet, as
-#: SPLIT's do). Where it was measured only: 16
-#: heads, B = 1, us per launch on the H200, the gemv sweep's best against the bucket's MMA
-#: tiles in the same run (h200_epilogue_gemv_315c4d2.json, 36 configs per row, each checked
-#: before it was timed):
+#: ``next_power_of_2(N)`` rows, 1 one token per program (each re-reads its W_UV tile, from L2
+#: after the first); an FP8 output's group wider than BLOCK_V is cut among GROUP / BLOCK_V
+#: programs that meet, as SPLIT's do. Where it was measured only: 16 heads, us per launch, the
+#: sweep's best against the bucket's MMA tiles in the same run, each config checked before it
+#: was timed.
+#:
+#: One token, on the H200 (h200_epilogue_gemv_315c4d2.json, 36 configs per row):
 #:
 #: - bf16 output, bf16 W_UV: 2.94 (BLOCK_V 32, whole latent, 4 warps) against 2.91 at ef4201d
 #:   and the MMA tiles' 3.49-4.67 in three earlier leases; cuBLAS's bmm 3.87.
@@ -88,14 +89,40 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Timed again as the table's pick at 0c16056 (h200_epilogue_rows_0c16056.json): 2.94, 4.40,
 #: 3.63 us against cuBLAS's 3.88 and bmm + quant 5.40.
 #:
-#: Not measured, so the bucket's tiles stay: a bf16 output of FP8 weights (a kind of
-#: bench_epilogue's sweep only since this table: 4.64 us at B = 1 on the MMA tiles), more
-#: tokens (the B = 8 sweep was cut by the lease), 128 heads (512 items), ROCm, the
-#: interpreter.
+#: Two and eight tokens, on an H100 (the ``tokens`` grid, 26-34 configs per row;
+#: h100_epilogue_tokens{,8}_c7061be.json; no H200 has timed them yet): one token per program
+#: won in every kind measured, BLOCK_V 32 with the whole latent at two tokens, a whole group
+#: (BLOCK_V 128) at eight; the one-row tiles of all the launch's tokens and their GEMV_ROWS
+#: form came second at 0.5-1.1 us more:
+#:
+#: - bf16 output, bf16 W_UV: B = 2 3.04 (8 warps; 4 warps 3.23) against the MMA tiles' 4.66;
+#:   B = 8 4.60 against 4.80 (cuBLAS 3.97 / 4.01).
+#: - bf16 output, block-FP8 W_UV: B = 2 2.75 against 4.61 (B = 8 not swept: the MMA tiles stay
+#:   above 2 tokens; one token not swept either: it takes the B = 2 config).
+#: - FP8 output, bf16 W_UV: B = 2 4.50 (4 warps) against 5.20; B = 8 5.27 against 5.35 (bmm +
+#:   quant 5.58 / 5.73).
+#: - FP8 output, block-FP8 W_UV: B = 2 3.95 against 4.83; B = 8 4.36 against 4.96.
+#:
+#: Three to seven tokens take the eight tokens' config (between two measured points that
+#: agree; not timed). Not measured, so the bucket's tiles stay: more than eight tokens, more
+#: than 16 heads (128 heads: 512 items at BLOCK_V 32), ROCm, the interpreter.
 _GEMV_FEW = {
-    (False, 2): ((1, 64, (1, 32, 512, 4, 1, 1)),),
-    (True, 2): ((1, 64, (1, 32, 512, 8, 1, 1)),),
-    (True, 1): ((1, 64, (1, 32, 128, 8, 1, 2)),),
+    (False, 2): (
+        (1, 16, (1, 32, 512, 4, 1, 1)),
+        (2, 16, (1, 32, 512, 8, 1, 1)),
+        (8, 16, (1, 128, 512, 8, 1, 1)),
+    ),
+    (False, 1): ((2, 16, (1, 32, 512, 8, 1, 1)),),
+    (True, 2): (
+        (1, 16, (1, 32, 512, 8, 1, 1)),
+        (2, 16, (1, 32, 512, 4, 1, 1)),
+        (8, 16, (1, 128, 512, 8, 1, 1)),
+    ),
+    (True, 1): (
+        (1, 16, (1, 32, 128, 8, 1, 2)),
+        (2, 16, (1, 32, 512, 8, 1, 1)),
+        (8, 16, (1, 128, 512, 8, 1, 1)),
+    ),
 }
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
@@ -220,10 +247,10 @@ def gemv_rule(
     """The GEMV tiles of :data:`_GEMV_FEW` for ``N`` tokens at ``H`` heads on CUDA (fitted to
     L and V as the tables are), or None: the bucket's tiles."""
     entries = _GEMV_FEW.get((fp8_out, w_bytes), ()) if backend == "cuda" else ()
-    for most_tokens, most_items, (bt, bv, bk, nw, ns, split) in entries:
+    for most_tokens, most_heads, (bt, bv, bk, nw, ns, split) in entries:
         bt = triton.next_power_of_2(N) if bt is None else bt
         bt, bv, bk, nw, ns = _fit((bt, bv, bk, nw, ns), L, V, None, None)
-        if N <= most_tokens and triton.cdiv(N, bt) * H * triton.cdiv(V, bv) <= most_items:
+        if N <= most_tokens and H <= most_heads:
             split = _dividing_split(split, L, bk)  # a latent shorter than the rule's: fewer
             cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             return dict(cfg, SPLIT=split, GEMV=True)
