@@ -31,7 +31,7 @@ per op.
 Exit status 1 if a variant a plan picks fails to compile or needs more shared memory than the
 target has. Compiled for, not run on: nothing here says a kernel is right or fast there.
 
-Usage (about 270 prologue compiles of 1-10 s and 110 epilogue compiles of 1-5 s each on an
+Usage (about 270 prologue compiles of 1-10 s and 190 epilogue compiles of 1-5 s each on an
 idle core; the run prints its timing)::
 
     python benchmarks/targets.py --out benchmarks/results/targets_triton3.9.0.json \\
