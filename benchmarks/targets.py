@@ -17,8 +17,8 @@ output kind that no pair row holds: its tiles follow the token count, the output
 the weight's bytes together), so every constexpr value its plan can pick is compiled. The
 prologue's factors: heads x tile bucket, weight format and layout, activation dtype, cache
 dtype and its scale, query output, RoPE style, rotation, batch kind, PDL, index and table
-dtypes. The epilogue's: heads, tokens
-(N = 1, 2, 8: the small bucket's GEMV rules; 32, 300: the medium and large buckets), W_UV format and layout (plain V-contiguous / K-major / vLLM's view,
+dtypes. The epilogue's: heads, tokens (N = 1, 2, 8: the small bucket's GEMV rules; 32, 300:
+the medium and large buckets), W_UV format and layout (plain V-contiguous / K-major / vLLM's view,
 FP8 per tensor / per head / block scales in both FP8 dtypes), activation dtype, output (the
 activations' dtype, FP8 e4m3fn, e4m3fnuz), the FP8 scales' layout, ue8m0 scales, the group size
 (128, DeepSeek's; 16, the smallest), PDL. A value the library refuses on a target (e4m3fnuz on

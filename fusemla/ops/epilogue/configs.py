@@ -92,8 +92,8 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Two and eight tokens, on an H100 (the ``tokens`` grid, 26-34 configs per row;
 #: h100_epilogue_tokens{,8}_c7061be.json; no H200 has timed them yet): one token per program
 #: won in every kind measured, BLOCK_V 32 with the whole latent at two tokens, a whole group
-#: (BLOCK_V 128) at eight; the one-row tiles of all the launch's tokens and their GEMV_ROWS
-#: form came second at 0.5-1.1 us more:
+#: (BLOCK_V 128) at eight; the best multi-row tile (half or all of the launch's tokens, either
+#: form) was 0.1-1.1 us slower:
 #:
 #: - bf16 output, bf16 W_UV: B = 2 3.04 (8 warps; 4 warps 3.23) against the MMA tiles' 4.66;
 #:   B = 8 4.60 against 4.80 (cuBLAS 3.97 / 4.01).
