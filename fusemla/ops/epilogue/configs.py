@@ -70,9 +70,8 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Launches of a few tokens on CUDA that take the GEMV variant (the CUDA cores' products, token
 #: tiles of fewer rows than the MMA's 16): per (FP8 output, weight bytes per element), entries
 #: ``(most tokens, most heads, (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages, SPLIT))``,
-#: the first whose bounds hold applies; ``BLOCK_T`` None is one tile of
-#: ``next_power_of_2(N)`` rows, 1 one token per program (each re-reads its W_UV tile, from L2
-#: after the first); an FP8 output's group wider than BLOCK_V is cut among GROUP / BLOCK_V
+#: the first whose bounds hold applies; ``BLOCK_T`` 1 is one token per program (each re-reads
+#: its W_UV tile, from L2 after the first); an FP8 output's group wider than BLOCK_V is cut among GROUP / BLOCK_V
 #: programs that meet, as SPLIT's do. Where it was measured only: 16 heads, us per launch, the
 #: sweep's best against the bucket's MMA tiles in the same run, each config checked before it
 #: was timed.
@@ -247,10 +246,9 @@ def gemv_rule(
     """The GEMV tiles of :data:`_GEMV_FEW` for ``N`` tokens at ``H`` heads on CUDA (fitted to
     L and V as the tables are), or None: the bucket's tiles."""
     entries = _GEMV_FEW.get((fp8_out, w_bytes), ()) if backend == "cuda" else ()
-    for most_tokens, most_heads, (bt, bv, bk, nw, ns, split) in entries:
-        bt = triton.next_power_of_2(N) if bt is None else bt
-        bt, bv, bk, nw, ns = _fit((bt, bv, bk, nw, ns), L, V, None, None)
+    for most_tokens, most_heads, (*tiles_, split) in entries:
         if N <= most_tokens and H <= most_heads:
+            bt, bv, bk, nw, ns = _fit(tuple(tiles_), L, V, None, None)
             split = _dividing_split(split, L, bk)  # a latent shorter than the rule's: fewer
             cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             return dict(cfg, SPLIT=split, GEMV=True)
