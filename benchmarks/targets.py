@@ -237,10 +237,10 @@ def prologue_args(v: dict, D: int | None = None):
 # ------------------------------------------------------------------- the epilogue's variants
 
 #: the epilogue's token counts: one per tile pick of the plan (epilogue configs: small <= 16 <
-#: medium < 128 <= large; in the small bucket the GEMV rule's 1, 2 and 3-8 tokens); as Triton
+#: medium < 128 <= large; in the small bucket the GEMV rule's 1, 2, 3-4 and 5-8 tokens); as Triton
 #: specializes the token count N (the kernel leaves it specializable), 1, a multiple of 16 and
 #: neither
-EPILOGUE_TOKENS = (1, 2, 8, 32, 300)
+EPILOGUE_TOKENS = (1, 2, 4, 8, 32, 300)
 #: W_UV variants: format[.granularity].layout[.fp8 dtype], made as the library makes them.
 #: Layouts: V (contiguous [H, L, V], stride 1 along V), K (K-major, stride 1 along L:
 #: quantize_fp8_weight's default and the layout split_kv_b_proj_fp8 gives block-FP8 W_UV), vllm
@@ -318,10 +318,11 @@ def epilogue_args(v: dict, N: int | None = None):
 
 
 def _epilogue_joint(c: dict) -> set:
-    """Each tile config the epilogue plans with the weight's code path it is planned for, and
-    with the output's (FP8 format, group)."""
+    """Each tile config the epilogue plans (its latent split included) with the weight's code
+    path it is planned for, and with the output's (FP8 format, group)."""
     tiles = tuple(c[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_K", "num_warps", "num_stages"))
     tiles += (c["GEMV"], c["GEMV_ROWS"])  # the CUDA cores' products (a row at a time) or the MMA
+    tiles += (c["SPLIT"],)  # the latent's split: picked with the tiles (few items, FP8 out)
     return {("weight", tiles, c["W_FMT"]), ("output", tiles, c["OUT_FP8"], c["GROUP"])}
 
 

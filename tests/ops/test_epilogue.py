@@ -1447,11 +1447,12 @@ def test_fuse_token_range_follows_the_measured_crossovers():
 
 def test_few_tokens_take_the_gemv_tiles_where_measured():
     """Where a GPU measured the GEMV variant faster (16 heads; configs._GEMV_FEW: one token on
-    the H200, two and eight on an H100) the CUDA table picks it: a one-row token tile, one
-    token per program, 32-wide V tiles up to two tokens (an FP8 group's four meet), a whole
-    group from three to eight; a bf16 output of 1-byte weights up to two tokens only. More
-    tokens, more heads (128), ROCm and the interpreter keep the MMA tables' tiles, and explicit
-    tiles (a sweep's cfg, override) replace keys of the MMA pick, not of GEMV's."""
+    the H200, two and eight on an H100 and the H200, four on the H200) the CUDA table picks it:
+    a one-row token tile, one token per program, 32-wide V tiles up to two tokens (an FP8
+    group's four meet), a whole group from five to eight (from three with an FP8 output); a
+    bf16 output takes two-row tiles in turn (GEMV_ROWS) at three and four tokens. More tokens,
+    more heads (128), ROCm and the interpreter keep the MMA tables' tiles, and explicit tiles
+    (a sweep's cfg, override) replace keys of the MMA pick, not of GEMV's."""
 
     def cfg(N=1, H=16, group=None, w_bytes=2, backend="cuda", L=512, V=128, block_k=None):
         kw = dict(group=group, block_k=block_k, w_bytes=w_bytes, H=H)
@@ -1473,17 +1474,25 @@ def test_few_tokens_take_the_gemv_tiles_where_measured():
     assert cfg(N=2, group=128) == gemv
     assert cfg(N=2, group=128, w_bytes=1, block_k=128) == two
     assert cfg(N=2, w_bytes=1, block_k=128) == cfg(N=1, w_bytes=1, block_k=128) == two
-    # three to eight: one token per program, a whole group each
+    # a bf16 output at three and four tokens: two-row tiles, their rows in turn
+    rows = dict(gemv, BLOCK_T=2, GEMV_ROWS=True)
+    for N in (3, 4):
+        assert cfg(N=N) == rows, N
+        assert cfg(N=N, w_bytes=1, block_k=128) == dict(rows, num_warps=8), N
+    # then to eight (an FP8 output from three): one token per program, a whole group each
     group = dict(two, BLOCK_V=128)
-    for N in (3, 4, 8):
-        assert cfg(N=N) == cfg(N=N, group=128) == group, N
+    for N in (3, 4, 5, 8):
+        assert cfg(N=N, group=128) == group, N
         assert cfg(N=N, group=128, w_bytes=1, block_k=128) == group, N
+    for N in (5, 8):
+        assert cfg(N=N) == cfg(N=N, w_bytes=1, block_k=128) == group, N
     assert cfg(N=8, V=48) == dict(group, BLOCK_V=64)  # fitted to V
+    assert cfg(N=4, V=48) == dict(rows, BLOCK_V=32)
     for other in (
         cfg(N=9),
         cfg(N=9, group=128),
         cfg(N=16, group=128, w_bytes=1, block_k=128),
-        cfg(N=3, w_bytes=1, block_k=128),  # bf16 out of FP8 W_UV: not swept above 2 tokens
+        cfg(N=9, w_bytes=1, block_k=128),
         cfg(H=17),
         cfg(H=128),
         cfg(N=2, H=128, group=128, w_bytes=1, block_k=128),
@@ -1496,13 +1505,14 @@ def test_few_tokens_take_the_gemv_tiles_where_measured():
     with configs.override(SPLIT=1):
         assert not cfg().get("GEMV", False)
     # the launcher: the table's pick unless tiles are given, which replace the MMA pick's keys
-    for n in (1, 4):
+    for n, rows_ in ((1, False), (4, True), (8, False)):
         x = torch.randn(n, 16, 512).to(BF16)
         w = torch.randn(16, 512, 128).to(BF16)
         a = prepare(x, w)
         cuda = platform_from("cuda", "sm_90")
-        assert launch_mod.plan(a, info=cuda).constexprs["GEMV"] is True
-        assert launch_mod.plan(a, info=cuda).constexprs["BLOCK_T"] == 1
+        picked = launch_mod.plan(a, info=cuda).constexprs
+        assert picked["GEMV"] is True and picked["GEMV_ROWS"] is rows_
+        assert picked["BLOCK_T"] == (2 if rows_ else 1)
         forced = launch_mod.plan(a, info=cuda, cfg=dict(SPLIT=2))
         assert forced.constexprs["GEMV"] is False and forced.constexprs["BLOCK_T"] == 16
 

@@ -71,10 +71,13 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: tiles of fewer rows than the MMA's 16): per (FP8 output, weight bytes per element), entries
 #: ``(most tokens, most heads, (BLOCK_T, BLOCK_V, BLOCK_K, num_warps, num_stages, SPLIT))``,
 #: the first whose bounds hold applies; ``BLOCK_T`` 1 is one token per program (each re-reads
-#: its W_UV tile, from L2 after the first); an FP8 output's group wider than BLOCK_V is cut among GROUP / BLOCK_V
-#: programs that meet, as SPLIT's do. Where it was measured only: 16 heads, us per launch, the
-#: sweep's best against the bucket's MMA tiles in the same run, each config checked before it
-#: was timed.
+#: its W_UV tile, from L2 after the first); a tile of more rows takes them in turn
+#: (``GEMV_ROWS``: the only multi-row form the table holds, faster than the tile's joint
+#: product in each H200 row that timed both: B = 4, bf16 output, 3.46 vs 4.07 us with bf16
+#: W_UV, 3.16 vs 3.83 with block-FP8); an FP8 output's group wider than BLOCK_V is cut among
+#: GROUP / BLOCK_V programs that meet, as SPLIT's do. Where it was measured only: 16 heads, us
+#: per launch, the sweep's best against the bucket's MMA tiles in the same run, each config
+#: checked before it was timed.
 #:
 #: One token, on the H200 (h200_epilogue_gemv_315c4d2.json, 36 configs per row):
 #:
@@ -88,30 +91,46 @@ _BF16_OUT_FEW = (32, (16, 64, 128, 4, 3))
 #: Timed again as the table's pick at 0c16056 (h200_epilogue_rows_0c16056.json): 2.94, 4.40,
 #: 3.63 us against cuBLAS's 3.88 and bmm + quant 5.40.
 #:
-#: Two and eight tokens, on an H100 (the ``tokens`` grid, 26-34 configs per row;
-#: h100_epilogue_tokens{,8}_c7061be.json; no H200 has timed them yet): one token per program
-#: won in every kind measured, BLOCK_V 32 with the whole latent at two tokens, a whole group
-#: (BLOCK_V 128) at eight; the best multi-row tile (half or all of the launch's tokens, either
-#: form) was 0.1-1.1 us slower:
+#: Two and eight tokens, first on an H100 (the ``tokens`` grid, 26-34 configs per row;
+#: h100_epilogue_tokens{,8}_c7061be.json): one token per program won in every kind measured,
+#: BLOCK_V 32 with the whole latent at two tokens, a whole group (BLOCK_V 128) at eight; the
+#: best multi-row tile (half or all of the launch's tokens, either form) was 0.1-1.1 us slower:
 #:
 #: - bf16 output, bf16 W_UV: B = 2 3.04 (8 warps; 4 warps 3.23) against the MMA tiles' 4.66;
 #:   B = 8 4.60 against 4.80 (cuBLAS 3.97 / 4.01).
-#: - bf16 output, block-FP8 W_UV: B = 2 2.75 against 4.61 (B = 8 not swept: the MMA tiles stay
-#:   above 2 tokens; one token not swept either: it takes the B = 2 config).
+#: - bf16 output, block-FP8 W_UV: B = 2 2.75 against 4.61 (B = 8 not swept).
 #: - FP8 output, bf16 W_UV: B = 2 4.50 (4 warps) against 5.20; B = 8 5.27 against 5.35 (bmm +
 #:   quant 5.58 / 5.73).
 #: - FP8 output, block-FP8 W_UV: B = 2 3.95 against 4.83; B = 8 4.36 against 4.96.
 #:
-#: Three to seven tokens take the eight tokens' config (between two measured points that
-#: agree; not timed). Not measured, so the bucket's tiles stay: more than eight tokens, more
-#: than 16 heads (128 heads: 512 items at BLOCK_V 32), ROCm, the interpreter.
+#: Then on the H200 at 8091179 (h200_epilogue_tokens{,8}_8091179.json: B = 2, 4 with bf16
+#: outputs, 8; 26-42 configs per row), against the entries above as the table's pick in the
+#: same lease: at two tokens and eight they hold (the best within 0.17 us of the pick, except
+#: below); what changed:
+#:
+#: - bf16 output, bf16 W_UV: B = 4 3.46 (two-row tiles in turn, BLOCK_V 32, 4 warps) against
+#:   the eight tokens' config's 4.75 (cuBLAS 3.81). B = 8: the MMA's 16-token tile 4.74 against
+#:   4.82, a tie: the entry stays.
+#: - bf16 output, block-FP8 W_UV: B = 4 3.16 (two-row tiles in turn, 8 warps) against the MMA
+#:   tiles' 4.63; B = 8 3.65 (one token per program, a whole group, 8 warps; 16 warps 3.65)
+#:   against 4.70 (cuBLAS 3.81 / 3.87).
+#:
+#: Not timed, between two measured points: 3 tokens (four's config), 5-7 (eight's); with an
+#: FP8 output, 3-7 (eight's, where two and eight agree). Not measured, so the bucket's tiles
+#: stay: more than eight tokens, more than 16 heads (128 heads: 512 items at BLOCK_V 32), ROCm,
+#: the interpreter.
 _GEMV_FEW = {
     (False, 2): (
         (1, 16, (1, 32, 512, 4, 1, 1)),
         (2, 16, (1, 32, 512, 8, 1, 1)),
+        (4, 16, (2, 32, 512, 4, 1, 1)),
         (8, 16, (1, 128, 512, 8, 1, 1)),
     ),
-    (False, 1): ((2, 16, (1, 32, 512, 8, 1, 1)),),
+    (False, 1): (
+        (2, 16, (1, 32, 512, 8, 1, 1)),
+        (4, 16, (2, 32, 512, 8, 1, 1)),
+        (8, 16, (1, 128, 512, 8, 1, 1)),
+    ),
     (True, 2): (
         (1, 16, (1, 32, 512, 8, 1, 1)),
         (2, 16, (1, 32, 512, 4, 1, 1)),
@@ -251,7 +270,8 @@ def gemv_rule(
             bt, bv, bk, nw, ns = _fit(tuple(tiles_), L, V, None, None)
             split = _dividing_split(split, L, bk)  # a latent shorter than the rule's: fewer
             cfg = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-            return dict(cfg, SPLIT=split, GEMV=True)
+            cfg = dict(cfg, SPLIT=split, GEMV=True)
+            return dict(cfg, GEMV_ROWS=True) if bt > 1 else cfg  # a multi-row tile: in turn
     return None
 
 
