@@ -146,6 +146,11 @@ def plan_lines(info) -> list[str]:
     return out + epilogue_plan_lines(info, dev)
 
 
+#: the token counts `fusemla info` shows the epilogue's plan at: one, a few (the GEMV rule's
+#: multi-row tiles on CUDA), and one of each larger bucket
+EPILOGUE_INFO_TOKENS = (1, 4, 64, 512)
+
+
 def epilogue_plan_lines(info, dev) -> list[str]:
     """The epilogue's plan (:func:`fusemla.ops.epilogue.launch.plan`) at DeepSeek-V3 dims
     (16 heads), for bf16 and block-FP8 W_UV, bf16 and FP8 outputs, per batch size."""
@@ -165,16 +170,21 @@ def epilogue_plan_lines(info, dev) -> list[str]:
     out = [f"  epilogue plan at H={H}, L={L}, V={V} (fusemla.ops.epilogue.launch.plan):"]
     for name, wt in weights.items():
         for out_dtype in (None, info.fp8_dtype):
-            for n in (1, 64, 512):
+            for n in EPILOGUE_INFO_TOKENS:
                 kind = "bf16 out" if out_dtype is None else "fp8 out"
                 try:
                     x = torch.empty(n, H, L, dtype=torch.bfloat16, device=dev)
                     pl = launch.plan(prepare(x, wt, out_dtype=out_dtype), info)
-                    c = pl.cfg
+                    c, k = pl.cfg, pl.constexprs
+                    # the products: the tensor cores' (MMA) or the CUDA cores' (GEMV), a
+                    # multi-row GEMV tile's rows in turn; the latent's split where there is one
+                    form = "GEMV rows" if k["GEMV_ROWS"] else "GEMV" if k["GEMV"] else "MMA"
+                    form += f" SPLIT={k['SPLIT']}" if k["SPLIT"] > 1 else ""
                     out.append(
                         f"    {name} W_UV, {kind}, {n:>3} tokens: {pl.bucket} tiles "
                         f"BLOCK_T={c['BLOCK_T']} BLOCK_V={c['BLOCK_V']} BLOCK_K={c['BLOCK_K']} "
-                        f"warps={c['num_warps']}, grid {pl.grid[0]}, PDL {'on' if pl.pdl else 'off'}"
+                        f"warps={c['num_warps']} {form}, grid {pl.grid[0]}, "
+                        f"PDL {'on' if pl.pdl else 'off'}"
                     )
                 except Exception as exc:  # noqa: BLE001 - info reports, it never fails
                     out.append(f"    {name} W_UV, {kind}, {n} tokens: error: {exc}")

@@ -563,15 +563,32 @@ def test_info_prints_the_plan():
     assert not any("error" in r for r in rows), rows
     for r, n in zip(body, (1, 64, 512, 1, 64, 512)):
         assert f"{n:>3} decode tokens: {configs.batch_bucket(n)} tiles" in r, r
-    # the epilogue's plan: 2 weight formats x 2 outputs x 3 batches, its own buckets
-    assert epi[0].startswith("  epilogue plan at H=16") and len(epi) == 14, epi
-    for r, n in zip(epi[1:13], (1, 64, 512) * 4):
+    # the epilogue's plan: 2 weight formats x 2 outputs x 4 batches, its own buckets; the
+    # interpreter's tiles are the tensor cores' form (MMA) at every batch
+    ns = cli.EPILOGUE_INFO_TOKENS
+    assert epi[0].startswith("  epilogue plan at H=16") and len(epi) == 2 + 4 * len(ns), epi
+    rows_ = epi[1:-1]
+    for r, n in zip(rows_, ns * 4):
         assert f"{n:>3} tokens: {epi_configs.batch_bucket(n)} tiles" in r, r
-    assert all("fp8 out" in r and "BLOCK_V=128" in r for r in epi[1:13] if "fp8 out" in r)
+        assert " MMA" in r and "GEMV" not in r, r
+    assert all("fp8 out" in r and "BLOCK_V=128" in r for r in rows_ if "fp8 out" in r)
     # then where the vLLM plugin keeps vLLM's bmm: the crossover table itself
     r = epi_configs.describe_range(*epi_configs.fuse_token_range(16, True, "cuda"))
     want = f"16 heads fp8 out {r}"
-    assert "epilogue in vLLM, fused on steps of" in epi[13] and want in epi[13], epi[13]
+    assert "epilogue in vLLM, fused on steps of" in epi[-1] and want in epi[-1], epi[-1]
+    # on an H200 (planned here, on the CPU) the few-token rows name the GEMV forms the table
+    # picks: one token per program at one token, two-row tiles in turn at four (bf16 out)
+    cuda = cli.epilogue_plan_lines(platform_from("cuda", "sm_90"), torch.device("cpu"))
+    picked = {
+        (r.split(",")[0].strip(), r.split(",")[1].strip(), int(r.split(":")[0].split()[-2])): r
+        for r in cuda[1:-1]
+    }
+    one = picked["bf16 W_UV", "bf16 out", 1]
+    assert " GEMV," in one and "BLOCK_T=1 " in one, one
+    assert " GEMV rows," in picked["bf16 W_UV", "bf16 out", 4]
+    assert " GEMV rows," in picked["fp8-block W_UV", "bf16 out", 4]
+    assert " GEMV SPLIT=2," in picked["fp8-block W_UV", "fp8 out", 1]
+    assert " MMA" in picked["bf16 W_UV", "bf16 out", 64]
     assert cli.plan_lines(platform_from("cpu")) == [
         "  launch plan: none (no Triton backend here: the PyTorch fallback runs)"
     ]
