@@ -56,13 +56,17 @@ def _worker_layers(model_runner) -> list:
     """The MLA layers of the worker's model and of its speculative drafter's model, if it has
     one of its own (DeepSeek's MTP layer: one more MLA layer with its own cache)."""
     layers = _layer_modules(model_runner.model)
-    draft = getattr(getattr(model_runner, "drafter", None), "model", None)
-    # vLLM 0.33's CUDA runner wraps the drafter's model (a graph wrapper that forwards
-    # attributes, not an nn.Module): anything with named_modules; the H200 suite at c7061be
-    # found no drafter layer through an isinstance check
-    if hasattr(draft, "named_modules") and draft is not model_runner.model:
-        seen = {id(m) for _, m in layers}
-        layers += [(n, m) for n, m in _layer_modules(draft) if id(m) not in seen]
+    seen = {id(m) for _, m in layers}
+    # the drafter lives at `.drafter` in vLLM's v1 runner (the CPU build) and at `.speculator`
+    # in 0.33's CUDA runner (vllm.v1.worker.gpu.model_runner: the H100 suite at b7014e0 found
+    # no drafter layer through `.drafter`); its model may be a wrapper that forwards
+    # attributes, not an nn.Module: anything with named_modules
+    for attr in ("drafter", "speculator"):
+        draft = getattr(getattr(model_runner, attr, None), "model", None)
+        if hasattr(draft, "named_modules") and draft is not model_runner.model:
+            new = [(n, m) for n, m in _layer_modules(draft) if id(m) not in seen]
+            seen.update(id(m) for _, m in new)
+            layers += new
     return layers
 
 
