@@ -27,7 +27,7 @@ def _marker_filter(monkeypatch):
 
 
 class _Wrapper:
-    """A graph wrapper that forwards attributes: not an nn.Module (vLLM 0.33's drafter)."""
+    """A model wrapper that forwards attributes, not an nn.Module (the worker allows for one)."""
 
     def __init__(self, inner):
         self._inner = inner
