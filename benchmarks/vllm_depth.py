@@ -1144,6 +1144,57 @@ def table(runs: list) -> str:
     return "\n".join(lines)
 
 
+def kernel_diff(base: dict, other: dict, min_us: float = 5.0) -> list:
+    """The kernels whose GPU time per step moved between two engines' profiles of one cell
+    (``profile`` dicts of :func:`_summarize_profile`), by at least ``min_us``, largest move
+    first: ``(name, base_calls, base_us, other_calls, other_us)`` per step (0 where a kernel
+    is absent from one profile's top list). Where a kernel replaces others one for one (61 per
+    step for 61 layers), ``us / calls`` is its time per layer: how the epilogue's per-layer time
+    against vLLM's W_UV bmm + o_proj's input quantization is read off an engine profile."""
+
+    def by_name(pr: dict) -> dict:
+        return {k["name"]: (k["per_step"], k["us_per_step"]) for k in pr.get("top_kernels") or []}
+
+    a, b = by_name(base), by_name(other)
+    rows = []
+    for name in set(a) | set(b):
+        (ac, au), (bc, bu) = a.get(name, (0, 0.0)), b.get(name, (0, 0.0))
+        if abs(bu - au) >= min_us or ac != bc:
+            rows.append((name, ac, au, bc, bu))
+    return sorted(rows, key=lambda r: -abs(r[4] - r[2]))
+
+
+def kernels_table(runs: list, base: str, other: str, min_us: float = 5.0) -> str:
+    """:func:`kernel_diff` of engine ``other`` against ``base`` in every cell both profiled
+    (same shard, B, context, cache dtype, sampling): per kernel its calls and us per step in
+    each, the change, and us per call (per layer where it runs once a layer)."""
+
+    def key(r, c):
+        kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
+        return (_shard(r), c["batch"], c["context"], kv, c["sampling"])
+
+    prof: dict = {}
+    for r in runs:
+        for c in r["cells"]:
+            if c.get("profile"):
+                prof.setdefault(key(r, c), {})[r["variant"]] = c["profile"]
+    lines = [
+        f"| shard | B | ctx | kv | sampling | kernel | {base}: calls, us per step | "
+        f"{other}: calls, us per step | change, us per step | us per call: {base} / {other} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in sorted(prof, key=str):
+        if base not in prof[k] or other not in prof[k]:
+            continue
+        for name, ac, au, bc, bu in kernel_diff(prof[k][base], prof[k][other], min_us):
+            per = " / ".join(f"{u / c:.2f}" if c else "-" for c, u in ((ac, au), (bc, bu)))
+            lines.append(
+                f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {name[:70]} | {ac:g}, {au:.1f} | "
+                f"{bc:g}, {bu:.1f} | {bu - au:+.1f} | {per} |"
+            )
+    return "\n".join(lines)
+
+
 def repeat_medians(cell: dict) -> list | None:
     """The engine core's decode step per repeat of ``cell`` (each repeat's median, ms), or
     None where a repeat lacks it (files from before it was recorded)."""
@@ -1629,6 +1680,13 @@ def main() -> None:
     lat.add_argument("--cache-root", default=None)
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
+    k = sub.add_parser(
+        "kernels", help="the kernels whose GPU time per step moved between two engines, per cell"
+    )
+    k.add_argument("files", nargs="+")
+    k.add_argument("--base", default="off")
+    k.add_argument("--variant", default="on")
+    k.add_argument("--min-us", type=float, default=5.0)
     g = sub.add_parser("grid", help="every committed off/on pair by cell of the full-depth grid")
     g.add_argument(
         "files",
@@ -1651,6 +1709,8 @@ def main() -> None:
             (Path(__file__).parent / "results").glob("h200_vllm033_depth_*.json")
         )
         print(grid(pairs_of(files), timings_of(files)))
+    elif args.cmd == "kernels":
+        print(kernels_table(load_runs(args.files), args.base, args.variant, args.min_us))
     elif args.cmd == "table":
         runs = load_runs(args.files)
         print(table(runs))

@@ -1,0 +1,47 @@
+"""benchmarks/vllm_depth.py's kernel diff: which kernels one engine ran in place of another's, per
+cell, read off the engines' own profiles (how the epilogue's crossover table is derived)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import benchmarks.vllm_depth as vd
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _prof(*kernels):
+    return {"top_kernels": [{"name": n, "per_step": c, "us_per_step": u} for n, c, u in kernels]}
+
+
+def test_kernel_diff_finds_the_swap_and_orders_by_size():
+    base = _prof(
+        ("gemm", 305, 3500.0), ("bmm", 61, 200.0), ("quant", 235, 620.0), ("norm", 63, 530.0)
+    )
+    other = _prof(
+        ("gemm", 305, 3502.0), ("epilogue", 61, 300.0), ("quant", 174, 495.0), ("norm", 63, 530.0)
+    )
+    rows = vd.kernel_diff(base, other, min_us=5.0)
+    assert [r[0] for r in rows] == ["epilogue", "bmm", "quant"]  # gemm moved 2 us, norm not at all
+    assert rows[0] == ("epilogue", 0, 0.0, 61, 300.0)
+    assert rows[1] == ("bmm", 61, 200.0, 0, 0.0)
+    # a changed call count is listed whatever the time moved
+    rows = vd.kernel_diff(base, _prof(("gemm", 304, 3500.0)), min_us=1e9)
+    assert {r[0] for r in rows} == {"gemm", "bmm", "quant", "norm"}
+
+
+def test_kernels_table_reads_the_committed_9804a32_profile():
+    """The engine profile behind configs._FUSE_TOKENS' 16-head FP8 entry: at B = 1 the epilogue
+    took 6.69 us a layer where vLLM ran its W_UV bmm (3.31 us) and 61 fewer input quantizations
+    (128.0 us per step, 2.10 us a layer)."""
+    runs = vd.load_runs([RESULTS / "h200_vllm033_depth_tp8_9804a32.json"])
+    text = vd.kernels_table(runs, "on", "epi")
+    b1 = [line for line in text.splitlines() if line.startswith("| tp8 | 1 |")]
+    epi = next(line for line in b1 if "mla_epilogue_kernel" in line)
+    assert "| 0, 0.0 | 61, 407.9 | +407.9 | - / 6.69 |" in epi
+    bmm = next(line for line in b1 if "nvjet" in line)
+    assert "| 61, 202.0 | 0, 0.0 | -202.0 | 3.31 / - |" in bmm
+    quant = next(line for line in b1 if "per_token_group_quant" in line)
+    assert "| -128.0 |" in quant
+    # an engine the file lacks: a header and no rows
+    assert len(vd.kernels_table(runs, "on", "epi-stored").splitlines()) == 2
