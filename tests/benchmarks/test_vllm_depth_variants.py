@@ -87,3 +87,19 @@ def test_compare_pairs_the_repeats():
     del on["cells"][0]["core_step"][2]  # repeats that do not pair: no column, not a guess
     (row,) = [line for line in compare([off, on]).splitlines() if line.startswith("| tp8")]
     assert "faster)" not in row
+
+
+def test_tp8pp2_shard_is_the_tp8_shards_first_pipeline_stage(tmp_path):
+    """Half the TP8 shard's layers at its per-layer shapes (it fits an 80 GB H100), labelled
+    apart from the full-depth shard in every table (its steps are half as long)."""
+    import json
+
+    import benchmarks.vllm_depth as vd
+
+    tp8, pp2 = vd.model_config("tp8"), vd.model_config("tp8pp2")
+    assert pp2.pop("num_hidden_layers") == 31 and tp8.pop("num_hidden_layers") == 61
+    assert pp2 == tp8
+    cfg = json.loads((vd.write_model(tmp_path, "tp8pp2") / "config.json").read_text())
+    assert vd._shard({"config": cfg}) == "tp8pp2"
+    assert vd._shard({"config": vd.model_config("tp8")}) == "tp8"
+    assert vd._shard({"config": {"num_attention_heads": 16}}) == "tp8"  # files before the key
