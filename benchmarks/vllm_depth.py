@@ -110,7 +110,7 @@ SHARDS = {
         vocab_size=16160,
     ),
     # the TP8 shard's first pipeline stage of two (tensor parallel 8 x pipeline parallel 2, as
-    # two 8-GPU H100 nodes serve the FP8 checkpoint): layers 0-30, 3 dense + 28 MoE, the same
+    # two 8-GPU H100 nodes may serve the FP8 checkpoint): layers 0-30, 3 dense + 28 MoE, the same
     # per-layer shapes in half the weights (~41 GB), so it fits an 80 GB H100; the model keeps
     # its lm_head (a real first stage hands its hidden states on instead: 16160 x 7168, small)
     "tp8pp2": dict(
