@@ -466,14 +466,17 @@ class _LayerState:
             if self._epi_all:
                 self._epi_range = ALL_TOKENS
             else:
-                self._epi_range = fuse_token_range(q.shape[1], self.o_fp8 is not None, backend)
+                self._epi_range = fuse_token_range(
+                    q.shape[1], self.o_fp8 is not None, backend, self.stored() is not None
+                )
             _log_once(
                 logging.INFO,
-                "fusemla: the epilogue runs on decode steps of %s tokens (%d heads, %s out; "
-                "FUSEMLA_VLLM_EPILOGUE_TOKENS=%s), vLLM's W_UV bmm on the others",
+                "fusemla: the epilogue runs on decode steps of %s tokens (%d heads, %s out, %s "
+                "W_UV; FUSEMLA_VLLM_EPILOGUE_TOKENS=%s), vLLM's W_UV bmm on the others",
                 describe_range(*self._epi_range),
                 q.shape[1],
                 "FP8" if self.o_fp8 is not None else "bf16",
+                "block-FP8 (stored)" if self.stored() is not None else "vLLM's",
                 "all" if self._epi_all else "measured",
             )
         return self._epi_range

@@ -605,7 +605,7 @@ def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
 
     monkeypatch.setattr(plugin, "_stats", plugin.Counter())
     monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE_TOKENS", tokens_env)
-    monkeypatch.setattr(epi_configs, "fuse_token_range", lambda H, fp8, be: (2, 3))
+    monkeypatch.setattr(epi_configs, "fuse_token_range", lambda H, fp8, be, w=False: (2, 3))
     ran = []
     monkeypatch.setattr(epi_api, "mla_epilogue_step", lambda spec, o, out: ran.append(o.shape[0]))
     H, P, R, L, V = 2, 8, 4, 16, 8
@@ -634,6 +634,36 @@ def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
     want = [1, 2, 3, 4] if tokens_env == "all" else [2, 3]
     assert ran == want
     assert s["epilogue_tokens"] == sum(want) and s.get("epilogue_vllm_tokens", 0) == 10 - sum(want)
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_epilogue_range_is_that_of_the_w_uv_the_layer_reads(monkeypatch, stored):
+    """The crossover table is keyed on the W_UV format: a layer that reads the checkpoint's
+    block-FP8 W_UV (FUSEMLA_VLLM_W_UK=stored) takes that row, one on vLLM's bf16 W_UV the
+    other, asked once per layer."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+    from fusemla.ops.epilogue import configs as epi_configs
+
+    monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE_TOKENS", "measured")
+    asked = []
+    monkeypatch.setattr(
+        epi_configs,
+        "fuse_token_range",
+        lambda H, fp8, be, w=False: asked.append((H, fp8, w)) or ((1, 32) if w else (32, 64)),
+    )
+    H, P, R, L, V = 2, 8, 4, 16, 8
+    rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(64, R), is_neox_style=False)
+    w = torch.randn(L, H, P, dtype=torch.bfloat16).permute(1, 2, 0)
+    layer = _layer("l0", rotary, w, P=P, R=R, L=L, V=V)
+    adapter = _EpiStepAdapter(1, 1, torch.randn(4, 16, L + R, dtype=torch.bfloat16))
+    st = plugin._LayerState(adapter, layer, True, True, epilogue=True)
+    monkeypatch.setattr(st, "stored", lambda: ("w_uk_t", "w_uv") if stored else None)
+    q = torch.randn(1, H, P + R, dtype=torch.bfloat16)
+    want = (1, 32) if stored else (32, 64)
+    assert st.epilogue_tokens(q) == want and st.epilogue_tokens(q) == want
+    assert asked == [(H, st.o_fp8 is not None, stored)]
 
 
 def _flashmla_wrapper(kv_cache_dtype: str):

@@ -145,46 +145,52 @@ _GEMV_FEW = {
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
 #: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
-#: vLLM on the H200, per output kind and head count: (fp8 output, heads up to) -> range;
-#: outside it (and where ``lo > hi``: nowhere) an engine keeps its own W_UV bmm (+ o_proj's
-#: input quantization for an FP8 output). Heads between two entries take the larger head
-#: count's entry. From vLLM at full depth (61 layers, full CUDA graphs; per-layer kernel time
-#: in the engine's own profile, benchmarks/results/h200_vllm033_depth_tp8_9804a32.json), not
-#: from the 8-layer kernel benchmark, which held the 16-head weights in L2 and charged its
-#: baseline a scale copy vLLM does not run (a7b3bce: 6.5 vs 8.0 us at 16 heads, B = 1):
+#: vLLM, per output kind, W_UV format and head count: (fp8 output, block-FP8 W_UV, heads up to)
+#: -> range; outside it (and where ``lo > hi``: nowhere) an engine keeps its own W_UV bmm (+
+#: o_proj's input quantization for an FP8 output). Heads between two entries take the larger
+#: head count's entry. From the engine's own profile (``benchmarks/vllm_depth.py kernels``:
+#: the epilogue's time per layer against the W_UV bmm + the quantization it replaces), not from
+#: the kernel benchmark, whose baseline differs from what vLLM runs:
 #:
-#: - 16 heads, FP8 out: fused 6.69 us against vLLM's bmm 3.31 + quant 2.10 at B = 1 (slower);
-#:   6.10 against 3.93 + 2.40 at B = 32 (faster). Between and beyond, the benchmark's rows
-#:   shifted by those two points' offsets: slower at 8 and 16, faster at 64, slower at 128.
-#: - 128 heads, FP8 out, and bf16 out at both: slower at every batch by the same estimate
-#:   (not yet measured in vLLM: the full-depth runs are FP8 checkpoints at 16 heads).
-#:
-#: These ranges predate the FP8 output's latent split for few items (de9c208) and its one
-#: reciprocal per program (26b0b51): the kernel benchmark at 13ad969 puts 16 heads, FP8 out,
-#: B = 1 at 4.73 us (block-FP8 W_UV) / 5.00 (bf16 W_UV) where 9804a32's engine measured 6.69
-#: against vLLM's 5.41. Not changed before the engine measures it (vllm_depth's "epi-all"
-#: variants profile every decode step through the epilogue).
+#: - 16 heads, FP8 out, block-FP8 W_UV (``FUSEMLA_VLLM_W_UK=stored``): the fused kernel is
+#:   faster at 1, 16 and 32 tokens: 3.18-3.24 us against bmm 3.42-3.57 + quant 2.07-2.09 at
+#:   B = 1, 4.83 against 3.58 + 2.05 at B = 16, 5.02 against 3.87 + 2.38 at B = 32 (H100, vLLM
+#:   0.33, the tp8pp2 shard, full graphs, two engine orders;
+#:   benchmarks/results/h100_vllm033_depth_tp8pp2_ead800d.json). Above 32 not measured in
+#:   the engine: the H200 kernel benchmark put B = 64 slower (6.41 vs 6.11 us, 26b0b51).
+#: - 16 heads, FP8 out, vLLM's bf16 W_UV: 32-64 from 9804a32's H200 engine (its kernel then
+#:   6.69 us at B = 1 against 3.31 + 2.10; 6.10 against 3.93 + 2.40 at B = 32), before the FP8
+#:   output's latent split (de9c208) and its one reciprocal per program (26b0b51); not re-run
+#:   in the engine since (the kernel benchmark at 26b0b51: 5.06 vs 5.40 us at B = 1, 6.62 vs
+#:   5.84 at B = 32).
+#: - 128 heads, and a bf16 output at either: not measured faster in vLLM: nowhere.
 _FUSE_TOKENS = {
-    (True, 16): (32, 64),
-    (True, 128): (1, 0),
-    (False, 16): (1, 0),
-    (False, 128): (1, 0),
+    (True, True, 16): (1, 32),
+    (True, False, 16): (32, 64),
+    (True, True, 128): (1, 0),
+    (True, False, 128): (1, 0),
+    (False, True, 16): (1, 0),
+    (False, False, 16): (1, 0),
+    (False, True, 128): (1, 0),
+    (False, False, 128): (1, 0),
 }
 _overrides: dict = {}
 #: the token range of every decode step (the interpreter's, FUSEMLA_VLLM_EPILOGUE_TOKENS=all)
 ALL_TOKENS = (1, 1 << 62)
 
 
-def fuse_token_range(H: int, fp8_out: bool, backend: str) -> tuple[int, int]:
+def fuse_token_range(H: int, fp8_out: bool, backend: str, w_fp8: bool = False) -> tuple[int, int]:
     """``(lo, hi)``: the decode steps of ``lo <= tokens <= hi`` on which the fused epilogue is
     the faster choice against an engine's own W_UV bmm (+ its FP8 input quantization for
-    ``fp8_out``) at ``H`` heads on ``backend`` (:data:`_FUSE_TOKENS`, measured on CUDA; ROCm
-    takes CUDA's until measured; the interpreter always fuses: tests). Empty when ``lo > hi``."""
+    ``fp8_out``) at ``H`` heads on ``backend``, with a block-FP8 W_UV (``w_fp8``: the
+    checkpoint's, as stored) or the activations' dtype (:data:`_FUSE_TOKENS`, measured on CUDA;
+    ROCm takes CUDA's until measured; the interpreter always fuses: tests). Empty when
+    ``lo > hi``."""
     if backend == "interpreter":
         return ALL_TOKENS
-    heads = sorted(h for f, h in _FUSE_TOKENS if f == fp8_out)
+    heads = sorted(h for f, w, h in _FUSE_TOKENS if f == fp8_out and w == w_fp8)
     h = next((x for x in heads if H <= x), heads[-1])
-    return _FUSE_TOKENS[(fp8_out, h)]
+    return _FUSE_TOKENS[(fp8_out, w_fp8, h)]
 
 
 def describe_range(lo: int, hi: int) -> str:
