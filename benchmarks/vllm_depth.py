@@ -109,19 +109,6 @@ SHARDS = {
         intermediate_size=2304,
         vocab_size=16160,
     ),
-    # the TP8 shard's first pipeline stage of two (tensor parallel 8 x pipeline parallel 2, as
-    # two 8-GPU H100 nodes may serve the FP8 checkpoint): layers 0-30, 3 dense + 28 MoE, the same
-    # per-layer shapes in half the weights (~41 GB), so it fits an 80 GB H100; the model keeps
-    # its lm_head (a real first stage hands its hidden states on instead: 16160 x 7168, small)
-    "tp8pp2": dict(
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        n_routed_experts=256,
-        moe_intermediate_size=256,
-        intermediate_size=2304,
-        vocab_size=16160,
-        num_hidden_layers=31,
-    ),
     # data-parallel attention + expert parallel 8: all heads, 256/8 experts at full width
     "ep8": dict(
         num_attention_heads=128,
@@ -150,6 +137,12 @@ SHARDS = {
         quantization_config=None,
     ),
 }
+
+# the TP8 shard's first pipeline stage of two (tensor parallel 8 x pipeline parallel 2, as
+# two 8-GPU H100 nodes may serve the FP8 checkpoint): layers 0-30, 3 dense + 28 MoE, the same
+# per-layer shapes in half the weights (~41 GB), so it fits an 80 GB H100; the model keeps
+# its lm_head (a real first stage hands its hidden states on instead: 16160 x 7168, small)
+SHARDS["tp8pp2"] = {**SHARDS["tp8"], "num_hidden_layers": 31}
 
 
 def model_config(shard: str) -> dict:
