@@ -1113,6 +1113,12 @@ def _shard(r: dict) -> str:
     return "tp8" if heads == 16 else "ep8" if heads == 128 else f"h{heads}"
 
 
+def _cell_key(r: dict, c: dict) -> tuple:
+    """What makes two engines' cells comparable: shard, B, context, cache dtype, sampling."""
+    kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
+    return (_shard(r), c["batch"], c["context"], kv, c["sampling"])
+
+
 def _ms(x, nd: int = 3) -> str:
     return "" if x is None else f"{x:.{nd}f}"
 
@@ -1177,15 +1183,11 @@ def kernels_table(runs: list, base: str, other: str, min_us: float = 5.0) -> str
     (same shard, B, context, cache dtype, sampling): per kernel its calls and us per step in
     each, the change, and us per call (per layer where it runs once a layer)."""
 
-    def key(r, c):
-        kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
-        return (_shard(r), c["batch"], c["context"], kv, c["sampling"])
-
     prof: dict = {}
     for r in runs:
         for c in r["cells"]:
             if c.get("profile"):
-                prof.setdefault(key(r, c), {})[r["variant"]] = c["profile"]
+                prof.setdefault(_cell_key(r, c), {})[r["variant"]] = c["profile"]
     lines = [
         f"| shard | B | ctx | kv | sampling | kernel | {base}: calls, us per step | "
         f"{other}: calls, us per step | change, us per step | us per call: {base} / {other} |",
@@ -1216,14 +1218,10 @@ def compare(runs: list) -> str:
     and whether both engines decoded the same tokens (then their MoE routing and expert
     traffic were the same)."""
 
-    def key(r, c):
-        kv = r.get("engine", {}).get("attention", {}).get("kv_cache_dtype")
-        return (_shard(r), c["batch"], c["context"], kv, c["sampling"])
-
     cells: dict = {}
     for r in runs:
         for c in r["cells"]:
-            cells.setdefault(key(r, c), {}).setdefault(r["variant"], []).append(c)
+            cells.setdefault(_cell_key(r, c), {}).setdefault(r["variant"], []).append(c)
     lines = [
         "| shard | B | ctx | kv | sampling | variant | backend, layers fused | same tokens | "
         "TPOT by difference | core decode step | per repeat, on - off | GPU span per step | "
