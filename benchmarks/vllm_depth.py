@@ -1181,27 +1181,31 @@ def kernel_diff(base: dict, other: dict, min_us: float = 5.0) -> list:
 def kernels_table(runs: list, base: str, other: str, min_us: float = 5.0) -> str:
     """:func:`kernel_diff` of engine ``other`` against ``base`` in every cell both profiled
     (same shard, B, context, cache dtype, sampling): per kernel its calls and us per step in
-    each, the change, and us per call (per layer where it runs once a layer)."""
+    each, the change, and us per call (per layer where it runs once a layer). Where the files
+    hold several engines of a variant (jobs one after the other), the i-th ``base`` of a cell
+    goes with its i-th ``other`` (column ``n``)."""
 
     prof: dict = {}
     for r in runs:
         for c in r["cells"]:
             if c.get("profile"):
-                prof.setdefault(_cell_key(r, c), {})[r["variant"]] = c["profile"]
+                prof.setdefault(_cell_key(r, c), {}).setdefault(r["variant"], []).append(
+                    c["profile"]
+                )
     lines = [
-        f"| shard | B | ctx | kv | sampling | kernel | {base}: calls, us per step | "
+        f"| shard | B | ctx | kv | sampling | n | kernel | {base}: calls, us per step | "
         f"{other}: calls, us per step | change, us per step | us per call: {base} / {other} |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k in sorted(prof, key=str):
-        if base not in prof[k] or other not in prof[k]:
-            continue
-        for name, ac, au, bc, bu in kernel_diff(prof[k][base], prof[k][other], min_us):
-            per = " / ".join(f"{u / c:.2f}" if c else "-" for c, u in ((ac, au), (bc, bu)))
-            lines.append(
-                f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {name[:70]} | {ac:g}, {au:.1f} | "
-                f"{bc:g}, {bu:.1f} | {bu - au:+.1f} | {per} |"
-            )
+        pairs = zip(prof[k].get(base, []), prof[k].get(other, []))
+        for n, (pb, po) in enumerate(pairs, 1):
+            for name, ac, au, bc, bu in kernel_diff(pb, po, min_us):
+                per = " / ".join(f"{u / c:.2f}" if c else "-" for c, u in ((ac, au), (bc, bu)))
+                lines.append(
+                    f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {n} | {name[:70]} | "
+                    f"{ac:g}, {au:.1f} | {bc:g}, {bu:.1f} | {bu - au:+.1f} | {per} |"
+                )
     return "\n".join(lines)
 
 

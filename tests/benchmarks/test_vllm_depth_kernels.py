@@ -36,7 +36,11 @@ def test_kernels_table_reads_the_committed_9804a32_profile():
     (128.0 us per step, 2.10 us a layer)."""
     runs = vd.load_runs([RESULTS / "h200_vllm033_depth_tp8_9804a32.json"])
     text = vd.kernels_table(runs, "on", "epi")
-    b1 = [line for line in text.splitlines() if line.startswith("| tp8 | 1 |")]
+    b1 = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| tp8 | 1 | 1000 | auto | seeded | 1 |")
+    ]
     epi = next(line for line in b1 if "mla_epilogue_kernel" in line)
     assert "| 0, 0.0 | 61, 407.9 | +407.9 | - / 6.69 |" in epi
     bmm = next(line for line in b1 if "nvjet" in line)
@@ -45,3 +49,17 @@ def test_kernels_table_reads_the_committed_9804a32_profile():
     assert "| -128.0 |" in quant
     # an engine the file lacks: a header and no rows
     assert len(vd.kernels_table(runs, "on", "epi-stored").splitlines()) == 2
+
+
+def test_kernels_table_pairs_the_engines_of_two_jobs_in_order():
+    """A file of two jobs (the same variants twice in one cell): the i-th base engine goes with
+    the i-th other, each pair its own rows (n = 1, 2), none overwritten."""
+    runs = vd.load_runs([RESULTS / "h100_vllm033_depth_tp8pp2_ead800d.json"])
+    rows = [
+        line
+        for line in vd.kernels_table(runs, "on", "epi-all-stored").splitlines()
+        if line.startswith("| tp8pp2 | 1 |") and "mla_epilogue_kernel" in line
+    ]
+    assert len(rows) == 2
+    assert "| 1 | mla_epilogue_kernel |" in rows[0] and "- / 3.18 |" in rows[0]
+    assert "| 2 | mla_epilogue_kernel |" in rows[1] and "- / 3.24 |" in rows[1]
