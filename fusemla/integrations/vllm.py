@@ -463,11 +463,12 @@ class _LayerState:
                 backend = backend_of(q.device)
             except ValueError:  # CPU tensors without the interpreter: the PyTorch reference
                 backend = "interpreter"
+            w_fp8 = self.stored() is not None  # the checkpoint's block-FP8 W_UV, as stored
             if self._epi_all:
                 self._epi_range = ALL_TOKENS
             else:
                 self._epi_range = fuse_token_range(
-                    q.shape[1], self.o_fp8 is not None, backend, self.stored() is not None
+                    q.shape[1], self.o_fp8 is not None, backend, w_fp8
                 )
             _log_once(
                 logging.INFO,
@@ -476,7 +477,7 @@ class _LayerState:
                 describe_range(*self._epi_range),
                 q.shape[1],
                 "FP8" if self.o_fp8 is not None else "bf16",
-                "block-FP8 (stored)" if self.stored() is not None else "vLLM's",
+                "block-FP8 (stored)" if w_fp8 else "vLLM's",
                 "all" if self._epi_all else "measured",
             )
         return self._epi_range
