@@ -1108,7 +1108,8 @@ def load_runs(paths) -> list:
 
 def _shard(r: dict) -> str:
     heads = r["config"]["num_attention_heads"]
-    if heads == 16 and r["config"].get("num_hidden_layers", 61) == 31:
+    layers = r["config"].get("num_hidden_layers", V3["num_hidden_layers"])
+    if heads == 16 and layers == SHARDS["tp8pp2"]["num_hidden_layers"]:
         return "tp8pp2"
     return "tp8" if heads == 16 else "ep8" if heads == 128 else f"h{heads}"
 
