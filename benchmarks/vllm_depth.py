@@ -143,6 +143,9 @@ SHARDS = {
 # per-layer shapes in half the weights (~41 GB), so it fits an 80 GB H100; the model keeps
 # its lm_head (a real first stage hands its hidden states on instead: 16160 x 7168, small)
 SHARDS["tp8pp2"] = {**SHARDS["tp8"], "num_hidden_layers": 31}
+# the EP8 shard's first pipeline stage of two, likewise: 128 heads, layers 0-30 (~51 GB with
+# its 129,280-row embedding and lm_head), so 128 heads at the same per-layer shapes fit an H100
+SHARDS["ep8pp2"] = {**SHARDS["ep8"], "num_hidden_layers": 31}
 
 
 def model_config(shard: str) -> dict:
@@ -1107,10 +1110,14 @@ def load_runs(paths) -> list:
 
 
 def _shard(r: dict) -> str:
+    """The shard an engine ran, by its heads and layers; else by its heads alone."""
+    full = V3["num_hidden_layers"]
     heads = r["config"]["num_attention_heads"]
-    layers = r["config"].get("num_hidden_layers", V3["num_hidden_layers"])
-    if heads == 16 and layers == SHARDS["tp8pp2"]["num_hidden_layers"]:
-        return "tp8pp2"
+    layers = r["config"].get("num_hidden_layers", full)
+    for name, s in SHARDS.items():
+        shape = s["num_attention_heads"], s.get("num_hidden_layers", full)
+        if name != "smoke" and shape == (heads, layers):
+            return name
     return "tp8" if heads == 16 else "ep8" if heads == 128 else f"h{heads}"
 
 

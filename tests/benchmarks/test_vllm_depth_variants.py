@@ -103,3 +103,8 @@ def test_tp8pp2_shard_is_the_tp8_shards_first_pipeline_stage(tmp_path):
     assert vd._shard({"config": cfg}) == "tp8pp2"
     assert vd._shard({"config": vd.model_config("tp8")}) == "tp8"
     assert vd._shard({"config": {"num_attention_heads": 16}}) == "tp8"  # files before the key
+    ep8, ep8pp2 = vd.model_config("ep8"), vd.model_config("ep8pp2")
+    assert ep8pp2.pop("num_hidden_layers") == 31 and ep8.pop("num_hidden_layers") == 61
+    assert ep8pp2 == ep8
+    assert vd._shard({"config": vd.model_config("ep8pp2")}) == "ep8pp2"
+    assert vd._shard({"config": vd.model_config("ep8")}) == "ep8"
