@@ -156,8 +156,10 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   faster at 1, 16 and 32 tokens: 3.18-3.24 us against bmm 3.42-3.57 + quant 2.07-2.09 at
 #:   B = 1, 4.83 against 3.58 + 2.05 at B = 16, 5.02 against 3.87 + 2.38 at B = 32 (H100, vLLM
 #:   0.33, the tp8pp2 shard, full graphs, two engine orders;
-#:   benchmarks/results/h100_vllm033_depth_tp8pp2_ead800d.json). Above 32 not measured in
-#:   the engine: the H200 kernel benchmark put B = 64 slower (6.41 vs 6.11 us, 26b0b51).
+#:   benchmarks/results/h100_vllm033_depth_tp8pp2_ead800d.json); on the H200 at full depth
+#:   with this range, 3.22 against 3.33 + 2.10 at B = 1 and 4.99 against 3.93 + 2.38 at B = 32
+#:   (benchmarks/results/h200_vllm033_depth_tp8_212ba2a.json). Above 32 not measured in the
+#:   engine: the H200 kernel benchmark put B = 64 slower (6.41 vs 6.11 us, 26b0b51).
 #: - 16 heads, FP8 out, vLLM's bf16 W_UV: 32-64 from 9804a32's H200 engine (its kernel then
 #:   6.69 us at B = 1 against 3.31 + 2.10; 6.10 against 3.93 + 2.40 at B = 32), before the FP8
 #:   output's latent split (de9c208) and its one reciprocal per program (26b0b51); not re-run
