@@ -144,7 +144,7 @@ SHARDS = {
 # its lm_head (a real first stage hands its hidden states on instead: 16160 x 7168, small)
 SHARDS["tp8pp2"] = {**SHARDS["tp8"], "num_hidden_layers": 31}
 # the EP8 shard's first pipeline stage of two, likewise: 128 heads, layers 0-30 (~51 GB with
-# its 129,280-row embedding and lm_head), so 128 heads at the same per-layer shapes fit an H100
+# its 129,280-row embedding and lm_head, by parameter count), so 128 heads fit an H100
 SHARDS["ep8pp2"] = {**SHARDS["ep8"], "num_hidden_layers": 31}
 
 

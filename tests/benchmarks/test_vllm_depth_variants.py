@@ -89,9 +89,9 @@ def test_compare_pairs_the_repeats():
     assert "faster)" not in row
 
 
-def test_tp8pp2_shard_is_the_tp8_shards_first_pipeline_stage(tmp_path):
-    """Half the TP8 shard's layers at its per-layer shapes (it fits an 80 GB H100), labelled
-    apart from the full-depth shard in every table (its steps are half as long)."""
+def test_pp2_shards_are_their_shards_first_pipeline_stage(tmp_path):
+    """Half the TP8 (EP8) shard's layers at its per-layer shapes (it fits an 80 GB H100),
+    labelled apart from the full-depth shard in every table (its steps are half as long)."""
     import json
 
     import benchmarks.vllm_depth as vd
