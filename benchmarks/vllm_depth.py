@@ -1110,15 +1110,14 @@ def load_runs(paths) -> list:
 
 
 def _shard(r: dict) -> str:
-    """The shard an engine ran, by its heads and layers; else by its heads alone."""
+    """The shard an engine ran, by its heads and layers; else the first (full-depth) shard of
+    its heads; else ``h<heads>``."""
     full = V3["num_hidden_layers"]
     heads = r["config"]["num_attention_heads"]
     layers = r["config"].get("num_hidden_layers", full)
-    for name, s in SHARDS.items():
-        shape = s["num_attention_heads"], s.get("num_hidden_layers", full)
-        if name != "smoke" and shape == (heads, layers):
-            return name
-    return "tp8" if heads == 16 else "ep8" if heads == 128 else f"h{heads}"
+    named = [n for n, s in SHARDS.items() if n != "smoke" and s["num_attention_heads"] == heads]
+    same = (n for n in named if SHARDS[n].get("num_hidden_layers", full) == layers)
+    return next(same, named[0] if named else f"h{heads}")
 
 
 def _cell_key(r: dict, c: dict) -> tuple:
