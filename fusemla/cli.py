@@ -200,7 +200,8 @@ def epilogue_plan_lines(info, dev) -> list[str]:
     ]
     out.append(
         "  epilogue in vLLM, fused on steps of (tokens; CUDA and ROCm; "
-        "FUSEMLA_VLLM_EPILOGUE_TOKENS=measured; elsewhere vLLM's bmm): " + ", ".join(parts)
+        "FUSEMLA_VLLM_EPILOGUE_TOKENS=measured; elsewhere vLLM's bmm; where both W_UV say "
+        "none, the layer runs as with the epilogue off): " + ", ".join(parts)
     )
     return out
 

@@ -113,7 +113,8 @@ def stats() -> dict[str, int]:
     ``decode_tokens`` / ``prefill_tokens``: tokens through fusemla's prologue per half;
     ``epilogue_calls`` / ``epilogue_tokens``: :func:`fusemla.mla_epilogue_step` calls and their
     decode tokens (``FUSEMLA_VLLM_EPILOGUE``); ``layers_epilogue`` / ``layers_epilogue_vllm``:
-    layers whose decode tokens run it / keep vLLM's W_UV bmm (counted at their first step);
+    layers whose decode tokens run it / keep vLLM's W_UV bmm (counted at their first step, or
+    when built where no step size runs it: :func:`_epilogue_nowhere`);
     ``vllm_rope_tokens`` / ``vllm_cache_write_tokens``: tokens left to vLLM's RoPE / cache write
     (a half switched off); ``mixed_calls``: op calls with both decode and prefill tokens;
     ``decode_calls`` / ``prefill_calls``: op calls with any decode / prefill tokens;
@@ -334,9 +335,11 @@ class _LayerState:
 
     def stored(self):
         """``(W_UK_T, W_UV)`` read from vLLM's block-FP8 ``kv_b_proj`` as stored (codes and
-        block scales byte-identical, :func:`fusemla.quant.split_kv_b_proj_fp8`), rebuilt when
-        vLLM replaces it; None (logged once, the layer reads vLLM's own tensors) when the
-        checkpoint is not block-FP8 or its blocks straddle a head."""
+        block scales byte-identical, :func:`fusemla.quant.split_kv_b_proj_fp8`: copies beside
+        vLLM's own, 8 MiB each a layer at 128 heads), rebuilt when vLLM replaces it; W_UV is
+        None in a layer without the epilogue (not kept); None (logged once, the layer reads
+        vLLM's own tensors) when the checkpoint is not block-FP8 or its blocks straddle a
+        head."""
         if self.w_uk != "stored":
             return None
         src, why = self.ad.kv_b_proj_fp8(self.attn)
@@ -360,6 +363,8 @@ class _LayerState:
             except FuseMLAError as e:
                 why = str(e)
             else:
+                if not self.epilogue:  # only the epilogue reads W_UV: its copy not kept
+                    pair = (pair[0], None)
                 self._stored, self._stored_key = pair, key
                 _stats["stored_builds"] += 1
                 return pair
@@ -707,6 +712,35 @@ class _LayerState:
                 self.quantize_rows(output, codes, scales, 0, D)
 
 
+def _epilogue_nowhere(heads: int, fp8_out: bool, backend: str | None = None) -> str | None:
+    """Why a layer of ``heads`` heads built with ``FUSEMLA_VLLM_EPILOGUE`` keeps vLLM's W_UV
+    bmm on every step (None: some step size runs the epilogue): no decode step size was
+    measured faster there (:func:`fusemla.ops.epilogue.configs.fuses_anywhere`) and
+    ``FUSEMLA_VLLM_EPILOGUE_TOKENS`` is not ``all``. Decided when the layer is built, so such a
+    layer hands o_proj bf16 as vLLM does: an FP8 handoff would quantize every row through
+    o_proj's own kernel and copy it (``o_proj_quant_rows``), work vLLM's path does not do.
+    ``backend``: the launch backend (default: the current device's)."""
+    from fusemla.ops.epilogue.configs import fuses_anywhere
+
+    if envs.get(EPILOGUE_TOKENS_ENV) == "all":
+        return None
+    if backend is None:
+        from fusemla.ops.common import backend_of
+
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            backend = backend_of(dev)
+        except ValueError:  # CPU tensors without the interpreter: the PyTorch reference
+            backend = "interpreter"
+    if fuses_anywhere(heads, fp8_out, backend):
+        return None
+    return (
+        f"no decode step size measured faster at {heads} heads with "
+        f"{'an FP8' if fp8_out else 'a bf16'} output on {backend} "
+        f"(configs.fuse_token_range; {EPILOGUE_TOKENS_ENV}=all runs it anyway)"
+    )
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -792,6 +826,12 @@ def _make_wrapper_class(base: type) -> type:
                 o_fp8, why = _adapter.o_proj_fp8_route(self)
                 if o_fp8 is None:
                     _log_once(logging.INFO, "fusemla: the epilogue hands o_proj bf16: %s", why)
+            if epilogue:
+                why = _epilogue_nowhere(_adapter.num_heads(self), o_fp8 is not None)
+                if why is not None:  # vLLM's own bmm and o_proj (its own quantization) as off
+                    epilogue, o_fp8 = False, None
+                    _stats["layers_epilogue_vllm"] += 1
+                    _log_once(logging.INFO, "fusemla: MLA layers keep vLLM's W_UV bmm: %s", why)
             _stats["layers_fused"] += 1
             state = _LayerState(_adapter, self, dec, pre, w_uk, epilogue, o_fp8)
             _layers[state.name] = state

@@ -185,6 +185,10 @@ class VllmAdapter:
         v_head_dim)."""
         return dict(P=w.qk_nope_head_dim, R=w.qk_rope_head_dim, L=w.kv_lora_rank, V=w.v_head_dim)
 
+    def num_heads(self, w) -> int:
+        """The query heads of wrapper ``w`` on this rank (vLLM's local heads)."""
+        return int(w.num_heads)
+
     def attention(self, w):
         """vLLM's MLAAttention of wrapper ``w`` (weights, cache, impl)."""
         return w.mla_attn

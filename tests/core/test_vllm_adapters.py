@@ -452,6 +452,13 @@ def test_stored_weights_read_as_stored(monkeypatch):
     assert plugin.stats()["stored_builds"] == 1  # built once
     kvb.weight_scale_inv.mul_(2)  # vLLM reloaded the weights in place: rebuilt
     assert st.stored()[0] is not uk and plugin.stats()["stored_builds"] == 2
+    # a layer without the epilogue keeps only W_UK_T (W_UV's copy is the epilogue's alone)
+    st2 = plugin._LayerState(_Fp8Adapter(), layer, True, True, "stored")
+    uk2, uv2 = st2.stored()
+    assert uv2 is None and torch.equal(
+        uk2.data.view(torch.uint8), st.stored()[0].data.view(torch.uint8)
+    )
+    assert st2.spec(None).w_uk_t is uk2
 
 
 @pytest.mark.parametrize("case", ["bf16", "straddle"])
@@ -664,6 +671,73 @@ def test_epilogue_range_is_that_of_the_w_uv_the_layer_reads(monkeypatch, stored)
     want = (1, 32) if stored else (32, 64)
     assert st.epilogue_tokens(q) == want and st.epilogue_tokens(q) == want
     assert asked == [(H, st.o_fp8 is not None, stored)]
+
+
+@pytest.mark.parametrize(
+    "heads,fp8_out,tokens,kept",
+    [
+        (16, True, "measured", True),  # 1-32 tokens (stored W_UV), 32-64 (vLLM's)
+        (128, True, "measured", False),  # no step size measured faster
+        (128, True, "all", True),
+        (16, False, "measured", False),  # a bf16 output: nowhere measured faster
+    ],
+)
+def test_epilogue_left_to_vllm_where_no_step_size_is_faster(
+    monkeypatch, heads, fp8_out, tokens, kept
+):
+    """A layer built with FUSEMLA_VLLM_EPILOGUE=1 whose heads and output have no measured range
+    (configs.fuse_token_range, on CUDA) keeps vLLM's W_UV bmm on every step and hands o_proj
+    bf16, as with the epilogue off: no FP8 handoff whose rows would all go through o_proj's
+    quantization and a copy. Counted and logged when built; FUSEMLA_VLLM_EPILOGUE_TOKENS=all
+    keeps it everywhere."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+    from fusemla.ops import common
+
+    monkeypatch.setattr(plugin, "_stats", plugin.Counter())
+    monkeypatch.setattr(plugin, "_layers", {})
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE", "1")
+    monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE_TOKENS", tokens)
+    monkeypatch.setattr(plugin, "_structural_reason", lambda w: None)
+    monkeypatch.setattr(common, "backend_of", lambda device, info=None: "cuda")
+    route = dict(dtype=torch.float8_e4m3fn, group_size=128, ue8m0=False, col_major=True)
+
+    class Adapter(_FakeAdapter):
+        def o_proj_fp8_route(self, w):
+            return (dict(route, kernel="K"), None) if fp8_out else (None, "o_proj is bf16")
+
+        def o_proj(self, w):
+            return w.o_proj
+
+        def mark_compile_cache(self, key, value):
+            self.marked = value
+
+    adapter = Adapter()
+    monkeypatch.setattr(plugin, "_adapter", adapter)
+    rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(32, 4), is_neox_style=False)
+    w_uk_t = torch.randn(heads, 8, 16, dtype=torch.bfloat16)
+
+    class Base:
+        def __init__(self):
+            self.__dict__.update(vars(_layer("l0", rotary, w_uk_t)))
+            self.num_heads, self.o_proj = heads, object()
+
+    wrapper = plugin._make_wrapper_class(Base)()
+    st = plugin._layers[wrapper._fusemla_layer_name]
+    assert st.epilogue is kept
+    assert (wrapper._fusemla_o_fp8 is not None) is (kept and fp8_out)
+    assert (st.o_fp8 is not None) is (kept and fp8_out)
+    s = plugin.stats()
+    assert s.get("layers_epilogue_vllm", 0) == (0 if kept else 1), s
+    assert s.get("layers_epilogue_fp8", 0) == (1 if kept and fp8_out else 0), s
+    assert adapter.marked["epilogue"] is kept
+    why = plugin._epilogue_nowhere(heads, fp8_out, "cuda")
+    assert (why is None) is kept
+    if why is not None:
+        assert f"{heads} heads" in why and "FUSEMLA_VLLM_EPILOGUE_TOKENS=all" in why
+    assert plugin._epilogue_nowhere(heads, fp8_out, "interpreter") is None  # tests: everywhere
 
 
 def _flashmla_wrapper(kv_cache_dtype: str):

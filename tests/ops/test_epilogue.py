@@ -1459,6 +1459,11 @@ def test_fuse_token_range_follows_the_measured_crossovers():
             assert f(16, fp8, "rocm", w) == f(16, fp8, "cuda", w)  # CUDA's until measured
             lo, hi = f(128, fp8, "interpreter", w)
             assert lo == 1 and hi > 1 << 40
+    # some step size of either W_UV: the plugin's layers keep the epilogue (an FP8 handoff)
+    assert configs.fuses_anywhere(16, True, "cuda") and configs.fuses_anywhere(16, True, "rocm")
+    assert not configs.fuses_anywhere(128, True, "cuda")
+    assert not configs.fuses_anywhere(16, False, "cuda")
+    assert configs.fuses_anywhere(128, False, "interpreter")
     assert configs.describe_range(32, 64) == "32-64"
     assert configs.describe_range(1, 0) == "none"
     assert configs.describe_range(*f(16, True, "interpreter")) == "all"

@@ -195,6 +195,16 @@ def fuse_token_range(H: int, fp8_out: bool, backend: str, w_fp8: bool = False) -
     return _FUSE_TOKENS[(fp8_out, w_fp8, h)]
 
 
+def fuses_anywhere(H: int, fp8_out: bool, backend: str) -> bool:
+    """Whether :func:`fuse_token_range` fuses any decode step size at ``H`` heads with either
+    W_UV (the activations' dtype or block-FP8 as stored): False where no engine measurement put
+    the epilogue ahead (an engine then keeps its own W_UV bmm, and any FP8 handoff to o_proj
+    would only add work)."""
+    return any(
+        lo <= hi for lo, hi in (fuse_token_range(H, fp8_out, backend, w) for w in (False, True))
+    )
+
+
 def describe_range(lo: int, hi: int) -> str:
     """``"32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
     return "none" if lo > hi else "all" if (lo, hi) == ALL_TOKENS else f"{lo}-{hi}"
