@@ -11,6 +11,7 @@
 #                                     # from their own copy of the checkout; DEPTH_END_IN=S: every
 #                                     # pair ends within S s from now (what the lease has left)
 #   bash tests/vllm/h200.sh then-depth NAME [args]  # after start: that depth job once the suite is done
+#                                     # (DEPTH_END_IN counts from this call, not from its start)
 #   bash tests/vllm/h200.sh depth-wait N [NAME]   # wait up to N s for job NAME; its JSON + logs to $OUT
 #   bash tests/vllm/h200.sh kernels [paths]   # the kernel + layer suite (--device=cuda, the
 #                                     # machine's own torch; all of tests/ or the paths given), in
@@ -106,8 +107,10 @@ case ${1:-} in
     echo "cd /tmp/depth_src" > $job
     # DEPTH_END_IN=S: every pair of the job ends within S seconds from now (--end-at), each
     # with what the jobs before it left: say how much of the lease is left when starting it
+    # (DEPTH_END_AT=EPOCH: the same as an absolute time; then-depth sets it when queued)
     end_at=""
     [[ -n ${DEPTH_END_IN:-} ]] && end_at=" --end-at $(( $(date +%s) + DEPTH_END_IN ))"
+    [[ -n ${DEPTH_END_AT:-} ]] && end_at=" --end-at $DEPTH_END_AT"
     line="" n=0
     for a in "${@:3}" +; do
       if [[ $a == + ]]; then
@@ -136,9 +139,12 @@ case ${1:-} in
     # device call in between (both would not fit the GPU at once)
     name=${2:?then-depth NAME ...}
     args=$(printf ' %q' "${@:2}")
+    # DEPTH_END_IN counts from now (the queueing call), not from when the suite is done
+    end=""
+    [[ -n ${DEPTH_END_IN:-} ]] && end="DEPTH_END_AT=$(( $(date +%s) + DEPTH_END_IN )) "
     # (and after the kernel suite, where one was started: it shares the GPU)
     setsid nohup bash -c "while [ ! -f $RUN/done ] || { [ -d /tmp/kern_run ] && [ ! -f /tmp/kern_run/done ]; }; do sleep 2; done
-      cd $(printf '%q' "$PWD") && VGPU=$VG VTAG=$VTAG bash tests/vllm/h200.sh depth$args \
+      cd $(printf '%q' "$PWD") && ${end}DEPTH_END_IN= VGPU=$VG VTAG=$VTAG bash tests/vllm/h200.sh depth$args \
         > /tmp/depth_start_$name.log 2>&1" > /dev/null 2>&1 < /dev/null &
     echo "[h200] depth job $name queued behind the suite" ;;
   depth-wait)
