@@ -129,7 +129,11 @@ def stats() -> dict[str, int]:
     step's size is outside the range measured faster (``configs.fuse_token_range``;
     ``FUSEMLA_VLLM_EPILOGUE_TOKENS=all``: none); ``o_proj_quant_rows``:
     rows of an FP8-handoff layer quantized by o_proj's own quantization (prefill, vLLM's
-    path); ``stored_builds``: W_UK_T / W_UV pairs read from a block-FP8 ``kv_b_proj`` as stored
+    path), ``o_proj_quant_copied_rows`` those of them quantized apart and copied into the
+    handoff (the others written in place); ``o_proj_quant_in_place`` /
+    ``o_proj_quant_in_place_refused``: handoff formats whose in-place quantization passed /
+    failed its check on the device (:func:`_check_in_place`, logged); ``stored_builds``:
+    W_UK_T / W_UV pairs read from a block-FP8 ``kv_b_proj`` as stored
     (``FUSEMLA_VLLM_W_UK=stored``).
     """
     return dict(_stats)
@@ -597,13 +601,48 @@ class _LayerState:
 
     def quantize_rows(self, output, codes, scales, lo: int, hi: int) -> None:
         """Rows ``[lo, hi)`` of the bf16 ``output`` into ``codes`` / ``scales`` through
-        o_proj's own input quantization (what vLLM's o_proj would have run on them)."""
+        o_proj's own input quantization (what vLLM's o_proj would have run on them): written
+        in place by o_proj's kernel where :meth:`quantizes_in_place`, else quantized and
+        copied (two more kernels)."""
         if codes is None or hi <= lo:
             return
-        c, sc = self.ad.o_proj_quantize(self.o_proj, output[lo:hi])
-        codes[lo:hi].copy_(c)
-        scales[lo:hi].copy_(sc)
+        x = output[lo:hi]
+        if not (
+            self.quantizes_in_place(x, codes, scales)
+            and self.ad.o_proj_quantize_into(self.o_proj, x, codes[lo:hi], scales[lo:hi])
+        ):
+            c, sc = self.ad.o_proj_quantize(self.o_proj, x)
+            codes[lo:hi].copy_(c)
+            scales[lo:hi].copy_(sc)
+            _stats["o_proj_quant_copied_rows"] += hi - lo
         _stats["o_proj_quant_rows"] += hi - lo
+
+    def quantizes_in_place(self, x, codes, scales) -> bool:
+        """Whether o_proj's quantization writes the handoff's rows in place
+        (:meth:`VllmAdapter.o_proj_quantize_into`): decided once per process and handoff
+        format, at the first call outside a CUDA graph capture, by :func:`_check_in_place`
+        on the device (until then, copies: a graph captured before it keeps them)."""
+        key = (self.o_fp8["group_size"], self.o_fp8["ue8m0"], self.o_fp8["col_major"])
+        key += (str(codes.dtype), codes.shape[1], str(x.dtype), x.device.type)
+        ok = _in_place.get(key)
+        if ok is None:
+            if _capturing():
+                return False
+            why = _check_in_place(self.ad, self.o_proj, x, codes, scales, self.o_fp8["col_major"])
+            ok = _in_place[key] = why is None
+            _stats["o_proj_quant_in_place" if ok else "o_proj_quant_in_place_refused"] += 1
+            if ok:
+                _log_once(
+                    logging.INFO,
+                    "fusemla: o_proj's input quantization writes the FP8 handoff in place",
+                )
+            else:
+                _log_once(
+                    logging.INFO,
+                    "fusemla: o_proj's input quantization is copied into the FP8 handoff: %s",
+                    why,
+                )
+        return ok
 
     def vllm_rope(self, positions, q, k_pe):
         """vLLM's own rotation of ``q``'s q_pe part and of ``k_pe`` ([n, 1, R]), in place as
@@ -717,8 +756,9 @@ def _epilogue_nowhere(heads: int, fp8_out: bool, backend: str | None = None) -> 
     bmm on every step (None: some step size runs the epilogue): no decode step size was
     measured faster there (:func:`fusemla.ops.epilogue.configs.fuses_anywhere`) and
     ``FUSEMLA_VLLM_EPILOGUE_TOKENS`` is not ``all``. Decided when the layer is built, so such a
-    layer hands o_proj bf16 as vLLM does: an FP8 handoff would quantize every row through
-    o_proj's own kernel and copy it (``o_proj_quant_rows``), work vLLM's path does not do.
+    layer hands o_proj bf16 as vLLM does: an FP8 handoff would send every row through
+    o_proj's own kernel into a second buffer of codes (``o_proj_quant_rows``; copied where the
+    in-place form is refused), nothing gained.
     ``backend``: the launch backend (default: the current device's)."""
     from fusemla.ops.epilogue.configs import fuses_anywhere
 
@@ -739,6 +779,57 @@ def _epilogue_nowhere(heads: int, fp8_out: bool, backend: str | None = None) -> 
         f"{'an FP8' if fp8_out else 'a bf16'} output on {backend} "
         f"(configs.fuse_token_range; {EPILOGUE_TOKENS_ENV}=all runs it anyway)"
     )
+
+
+#: per handoff format (:meth:`_LayerState.quantizes_in_place`): whether o_proj's quantization
+#: writes the handoff's rows in place (checked once on the device)
+_in_place: dict[tuple, bool] = {}
+
+
+def _check_in_place(ad: VllmAdapter, o, x, codes, scales, col_major: bool) -> str | None:
+    """Why o_proj ``o``'s in-place quantization (:meth:`VllmAdapter.o_proj_quantize_into`)
+    cannot fill the FP8 handoff (None: it can): on five rows of random bf16 values with
+    magnitudes from 2^-8 to 2^8 per group, written into a poisoned handoff laid out like
+    ``codes`` / ``scales`` (row-major codes; column-major scales with ``col_major``, as the
+    handoff's, else row-major) at rows 1-3, row 2 alone and
+    all five, its codes and scales must equal :meth:`VllmAdapter.o_proj_quantize` of the same
+    rows byte for byte, and every other row keep its poison. Syncs the device (never called
+    inside a capture). A local generator: vLLM's random state is not touched."""
+    try:
+        n, width = 5, codes.shape[1]
+        groups = scales.shape[1]
+        gen = torch.Generator(device=x.device)
+        gen.manual_seed(20261207)
+        v = torch.randn(n, groups, width // groups, generator=gen, device=x.device)
+        mag = torch.randint(-8, 9, (n, groups, 1), generator=gen, device=x.device)
+        v = (v * torch.exp2(mag.float())).reshape(n, width).to(x.dtype)
+        poison = torch.full((n, width), 0x5A, dtype=torch.uint8, device=x.device)
+        for lo, hi in ((1, 4), (2, 3), (0, n)):
+            c = poison.clone().view(codes.dtype)
+            if col_major:
+                s = torch.full((groups, n), -1.0, device=x.device).t()
+            else:
+                s = torch.full((n, groups), -1.0, device=x.device)
+            if not ad.o_proj_quantize_into(o, v[lo:hi], c[lo:hi], s[lo:hi]):
+                return (
+                    "o_proj's quantization is not vLLM's CUDA per_token_group_fp8_quant "
+                    "(another platform, its native PyTorch form, or an input it refuses)"
+                )
+            rc, rs = ad.o_proj_quantize(o, v[lo:hi])
+            got = c.view(torch.uint8)
+            if not torch.equal(got[lo:hi], rc.reshape(hi - lo, width).view(torch.uint8)):
+                return f"its codes of rows {lo}-{hi - 1} differ from o_proj's own quantization"
+            if not torch.equal(s[lo:hi], rs.reshape(hi - lo, groups).float()):
+                return f"its scales of rows {lo}-{hi - 1} differ from o_proj's own quantization"
+            outside = torch.ones(n, dtype=torch.bool, device=x.device)
+            outside[lo:hi] = False
+            if not (
+                torch.equal(got[outside], poison[outside]) and bool((s[outside] == -1.0).all())
+            ):
+                return f"writing rows {lo}-{hi - 1} changed other rows"
+    except Exception as e:  # noqa: BLE001 - any failure means: copy, as before
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _capturing() -> bool:

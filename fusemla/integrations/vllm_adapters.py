@@ -85,7 +85,11 @@ class VllmAdapter:
         ".use_deep_gemm_supported, .column_major_scales, .tma_aligned_scales, "
         ".num_token_padding, __call__(x, scale, scale_ub, use_triton=)), "
         "_get_layer_params(layer) (.weight, .block_scale, .input_scale, .input_scale_ub), "
-        "apply_block_scaled_mm(A=, B=, As=, Bs=)",
+        "apply_block_scaled_mm(A=, B=, As=, Bs=); quant_fp8._forward_method / .forward_cuda "
+        "(which forward vLLM's CustomOp picked), torch.ops._C.per_token_group_fp8_quant(x, x_q, "
+        "x_s, group_size, eps, fp8_min, fp8_max, ue8m0, column_major, tma_aligned) (o_proj's "
+        "quantization into the handoff's rows), vllm.model_executor.layers.quantization.utils"
+        ".quant_utils.get_fp8_min_max",
         "vllm.distributed.tensor_model_parallel_all_reduce, vllm.envs.VLLM_BATCH_INVARIANT",
     )
 
@@ -418,6 +422,60 @@ class VllmAdapter:
         k = o.quant_method.fp8_linear
         p = k._get_layer_params(o)
         return k.quant_fp8(x, p.input_scale, p.input_scale_ub, use_triton=k.use_triton)
+
+    def o_proj_quantize_into(
+        self, o, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+    ) -> bool:
+        """o_proj ``o``'s own input quantization of ``x`` ``[m, H*V]`` written straight into
+        ``codes`` / ``scales`` (``m`` rows of the FP8 handoff's buffers, in its GEMM's layout),
+        in one launch of the kernel o_proj runs itself: True. That is vLLM's CUDA
+        ``per_token_group_fp8_quant`` whenever o_proj's ``QuantFP8`` dispatches to its
+        ``forward_cuda`` (vLLM's custom op enabled, ``+quant_fp8``; the route refused DeepGEMM's
+        packed and TMA-aligned scales) and ``x`` and ``codes`` are contiguous CUDA tensors; it
+        takes its outputs as arguments and addresses column-major scales through their column
+        stride, so a row range of the handoff's scales is written in place. Else False and
+        nothing written (the caller quantizes and copies). The plugin checks the result against
+        :meth:`o_proj_quantize` on the device once before it relies on it."""
+        qf = o.quant_method.fp8_linear.quant_fp8
+        fwd = getattr(qf, "_forward_method", None)
+        if fwd is None or fwd != getattr(qf, "forward_cuda", None):
+            return False
+        if not (x.is_contiguous() and codes.is_contiguous()):
+            return False
+        kernel = self.group_quant_kernel(x)
+        if kernel is None:
+            return False
+        fmin, fmax = self.fp8_min_max()
+        kernel(
+            x,
+            codes,
+            scales,
+            int(qf.group_size),
+            1e-10,  # vLLM's per_token_group_quant_fp8 default eps
+            fmin,
+            fmax,
+            bool(qf.use_ue8m0),
+            bool(qf.column_major_scales),
+            False,  # TMA-aligned scales: the route refused them
+        )
+        return True
+
+    def group_quant_kernel(self, x: torch.Tensor):
+        """vLLM's ``torch.ops._C.per_token_group_fp8_quant`` for CUDA tensors ``x`` (what
+        ``fp8_utils.per_token_group_quant_fp8`` calls on a contiguous input), else None."""
+        if x.device.type != "cuda" or torch.version.cuda is None:
+            return None
+        try:
+            return torch.ops._C.per_token_group_fp8_quant
+        except (AttributeError, RuntimeError):  # not built into this vLLM
+            return None
+
+    def fp8_min_max(self) -> tuple[float, float]:
+        """The code range vLLM's FP8 quantization clamps to (``get_fp8_min_max``)."""
+        from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
+
+        fmin, fmax = get_fp8_min_max()
+        return float(fmin), float(fmax)
 
     def o_proj_fp8(self, o, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """o_proj ``o`` on an input already quantized in its kernel's layout: vLLM's

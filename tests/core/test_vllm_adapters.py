@@ -412,6 +412,185 @@ def test_o_proj_fp8_is_o_proj_on_prequantized_input(col_major):
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
+# ------------------------------------------------- o_proj's quantization into the FP8 handoff
+
+
+def _c_group_quant(bug: str | None = None):
+    """vLLM's CUDA ``per_token_group_fp8_quant(x, x_q, x_s, group_size, eps, fp8_min,
+    fp8_max, ue8m0, column_major, tma_aligned)`` as the plugin calls it, over plain torch: the
+    codes into ``x_q``, the scales into ``x_s`` through ``x_s``'s own strides (the CUDA kernel
+    addresses column-major scales through their column stride). Planted layout bugs: ``rows``
+    addresses column-major scales as if the buffer held only ``x``'s rows; ``row_major``
+    writes them row-major whatever the buffer's strides."""
+    import torch
+
+    from fusemla.reference.epilogue import group_quant_fp8
+
+    def kernel(x, x_q, x_s, group_size, eps, fp8_min, fp8_max, ue8m0, col_major, tma):
+        kernel.calls.append((x.shape[0], group_size, eps, fp8_min, fp8_max, ue8m0, col_major, tma))
+        codes, s = group_quant_fp8(x.float(), group_size, ue8m0=ue8m0)
+        x_q.copy_(codes)
+        m, g = s.shape
+        if bug == "rows":
+            torch.as_strided(x_s, (m, g), (1, m)).copy_(s)
+        elif bug == "row_major":
+            torch.as_strided(x_s, (m, g), (g, 1)).copy_(s)
+        else:
+            x_s.copy_(s)
+
+    kernel.calls = []
+    return kernel
+
+
+class _InPlaceAdapter(_Fp8Adapter):
+    """The FP8 handoff's adapter with vLLM's CUDA quantization kernel emulated (a CPU test)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def group_quant_kernel(self, x):
+        return self.kernel
+
+    def fp8_min_max(self):
+        return -448.0, 448.0
+
+
+def _handoff_state(monkeypatch, adapter, col_major=True, native=False):
+    """A layer state of an FP8-handoff layer (route as o_proj_fp8_route returns it) whose
+    o_proj's QuantFP8 dispatched to forward_cuda (``native``: to its PyTorch form)."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+
+    monkeypatch.setattr(plugin, "_stats", plugin.Counter())
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "_in_place", {})
+    k = _BlockKernel(col_major=col_major)
+    qf = k.quant_fp8
+    qf.forward_cuda = lambda *a, **kw: None
+    qf._forward_method = (lambda *a, **kw: None) if native else qf.forward_cuda
+    rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(32, 4), is_neox_style=False)
+    layer = _layer("l0", rotary, torch.randn(2, 8, 16, dtype=torch.bfloat16))
+    layer.o_proj = _o_proj(k)
+    route = dict(
+        dtype=torch.float8_e4m3fn, group_size=128, ue8m0=False, col_major=col_major, kernel="K"
+    )
+    return plugin._LayerState(adapter, layer, True, True, "as-is", True, route), qf
+
+
+def _handoff_buffers(T, width=256, col_major=True):
+    """The wrapper's handoff buffers, poisoned: codes 0x5A, scales -1."""
+    import torch
+
+    codes = torch.full((T, width), 0x5A, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    g = width // 128
+    scales = torch.full((g, T), -1.0).t() if col_major else torch.full((T, g), -1.0)
+    return codes, scales
+
+
+def _assert_rows(output, codes, scales, lo, hi):
+    """Rows [lo, hi) hold o_proj's quantization of output's rows, every other row its poison."""
+    import torch
+
+    from fusemla.reference.epilogue import group_quant_fp8
+
+    c, s = group_quant_fp8(output[lo:hi].float(), 128)
+    got = codes.view(torch.uint8)
+    assert torch.equal(got[lo:hi], c.view(torch.uint8)) and torch.equal(scales[lo:hi], s)
+    rest = torch.ones(codes.shape[0], dtype=torch.bool)
+    rest[lo:hi] = False
+    assert bool((got[rest] == 0x5A).all()) and bool((scales[rest] == -1.0).all())
+
+
+@pytest.mark.parametrize("col_major", [True, False])
+def test_o_proj_quantization_writes_the_handoff_in_place(monkeypatch, caplog, col_major):
+    """Rows the epilogue did not write (prefill, vLLM's path, steps outside the range) go
+    through o_proj's own quantization kernel straight into the handoff's rows (vLLM's CUDA
+    per_token_group_fp8_quant takes its outputs), after one check on the device against
+    o_proj's quantization proper: no quantized copy and two copy kernels a layer."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+
+    kernel = _c_group_quant()
+    st, qf = _handoff_state(monkeypatch, _InPlaceAdapter(kernel), col_major)
+    T = 7
+    output = torch.randn(T, 256, dtype=torch.bfloat16) * 3
+    codes, scales = _handoff_buffers(T, col_major=col_major)
+    with caplog.at_level(logging.INFO, logger=plugin.logger.name):
+        st.quantize_rows(output, codes, scales, 2, 5)
+    _assert_rows(output, codes, scales, 2, 5)
+    s = plugin.stats()
+    assert s["o_proj_quant_in_place"] == 1 and "o_proj_quant_in_place_refused" not in s, s
+    assert s["o_proj_quant_rows"] == 3 and "o_proj_quant_copied_rows" not in s, s
+    assert len(kernel.calls) == 3 + 1 and qf.calls == 3  # the check's three cases, the rows
+    assert kernel.calls[-1] == (3, 128, 1e-10, -448.0, 448.0, False, col_major, False)
+    assert any("in place" in r.getMessage() for r in caplog.records)
+    # checked once: the next rows (a step's other half) in place at once
+    st.quantize_rows(output, codes, scales, 0, 2)
+    _assert_rows(output, codes, scales, 0, 5)
+    assert len(kernel.calls) == 5 and qf.calls == 3
+    assert plugin.stats()["o_proj_quant_in_place"] == 1
+
+
+@pytest.mark.parametrize("case", ["rows", "row_major", "unavailable", "native"])
+def test_o_proj_quantization_copied_where_the_check_refuses(monkeypatch, caplog, case):
+    """Where o_proj's kernel cannot write the handoff's rows (a planted layout bug: the
+    check on the device catches it; no CUDA kernel; o_proj's quantization in its PyTorch
+    form), the rows are quantized apart and copied, as before, with the reason logged once;
+    the handoff is right either way."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+
+    kernel = None if case == "unavailable" else _c_group_quant(bug=case)
+    st, _ = _handoff_state(monkeypatch, _InPlaceAdapter(kernel), native=case == "native")
+    T = 6
+    output = torch.randn(T, 256, dtype=torch.bfloat16)
+    codes, scales = _handoff_buffers(T)
+    with caplog.at_level(logging.INFO, logger=plugin.logger.name):
+        st.quantize_rows(output, codes, scales, 1, 4)
+        st.quantize_rows(output, codes, scales, 4, 6)
+    _assert_rows(output, codes, scales, 1, 6)
+    s = plugin.stats()
+    assert s["o_proj_quant_in_place_refused"] == 1 and "o_proj_quant_in_place" not in s, s
+    assert s["o_proj_quant_copied_rows"] == s["o_proj_quant_rows"] == 5, s
+    msgs = [
+        r.getMessage() for r in caplog.records if "copied into the FP8 handoff" in r.getMessage()
+    ]
+    assert len(msgs) == 1, msgs
+    want = "differ" if case in ("rows", "row_major") else "not vLLM's CUDA"
+    assert want in msgs[0], msgs
+
+
+def test_o_proj_quantization_checked_outside_a_capture(monkeypatch):
+    """The check syncs the device: inside a CUDA graph capture the rows are copied (that graph
+    keeps its copies) and the check waits for the first call outside one."""
+    import torch
+
+    from fusemla.integrations import vllm as plugin
+
+    st, _ = _handoff_state(monkeypatch, _InPlaceAdapter(_c_group_quant()))
+    output = torch.randn(4, 256, dtype=torch.bfloat16)
+    codes, scales = _handoff_buffers(4)
+    monkeypatch.setattr(plugin, "_capturing", lambda: True)
+    st.quantize_rows(output, codes, scales, 0, 2)
+    s = plugin.stats()
+    assert s["o_proj_quant_copied_rows"] == 2 and "o_proj_quant_in_place" not in s, s
+    monkeypatch.setattr(plugin, "_capturing", lambda: False)
+    st.quantize_rows(output, codes, scales, 2, 4)
+    _assert_rows(output, codes, scales, 0, 4)
+    s = plugin.stats()
+    assert s["o_proj_quant_in_place"] == 1 and s["o_proj_quant_copied_rows"] == 2, s
+
+
+def test_vllm_group_quant_kernel_only_for_cuda_tensors():
+    """Off CUDA (this CPU, ROCm's forward_hip) the adapter offers no in-place kernel."""
+    import torch
+
+    assert ad.VllmAdapter().group_quant_kernel(torch.zeros(2, 128)) is None
+
+
 def _kv_b_proj(H, P, V, L, block, dtype="fp8"):
     import torch
 

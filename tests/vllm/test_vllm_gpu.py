@@ -728,8 +728,14 @@ def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
         assert s["stored_builds"] == layers, s
     else:
         assert not s.get("stored_builds"), s
+    # prefill rows: o_proj's own quantization kernel writes the handoff in place once its check
+    # on the device passed; a check that found its bytes differ must never pass silently
+    assert "differ from o_proj's own quantization" not in on["log"], on["log"][-2000:]
+    assert "changed other rows" not in on["log"]
     if not DRYRUN:
         assert 0 < _kernels(on)["fusemla_epilogue"] <= _kernels(on)["fusemla_prologue"]
+        assert s.get("o_proj_quant_in_place") == 1, s  # vLLM's CUDA quantization in place
+        assert not s.get("o_proj_quant_copied_rows"), s
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)

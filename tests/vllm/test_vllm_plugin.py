@@ -269,6 +269,10 @@ def test_epilogue_fp8_handoff_to_block_fp8_o_proj(runner, variant):
     assert s["epilogue_calls"] == s["decode_calls"] > 0, s
     assert s["epilogue_fp8_tokens"] == s["epilogue_tokens"] == s["decode_tokens"] > 0, s
     assert s["o_proj_quant_rows"] >= s["prefill_tokens"] > 0, s  # prefill rows: o_proj's quant
+    # on the CPU no CUDA kernel writes the handoff in place: checked once, refused, copied
+    assert s["o_proj_quant_in_place_refused"] == 1 and not s.get("o_proj_quant_in_place"), s
+    assert s["o_proj_quant_copied_rows"] == s["o_proj_quant_rows"], s
+    assert "not vLLM's CUDA per_token_group_fp8_quant" in on["log"]
     assert s.get("stored_builds", 0) == (layers if variant == "stored" else 0), s
     assert "epilogue FP8 into o_proj (EmulatedFp8BlockKernel)" in on["log"]
 
