@@ -1247,7 +1247,13 @@ def compare(runs: list) -> str:
         backend = r.get("engine", {}).get("attention", {}).get("backend", "?")
         st = r.get("plugin_after_start") or {}
         n_f, n_v = st.get("layers_fused", 0), st.get("layers_vllm", 0)
-        return f"{backend}, {n_f}/{n_f + n_v}" if n_f + n_v else f"{backend}, -"
+        out = f"{backend}, {n_f}/{n_f + n_v}" if n_f + n_v else f"{backend}, -"
+        # the FP8 handoff's other rows: o_proj's quantization in place, or quantized and copied
+        if st.get("o_proj_quant_in_place"):
+            out += ", o_proj quant in place"
+        elif st.get("o_proj_quant_in_place_refused"):
+            out += ", o_proj quant copied"
+        return out
 
     mem = {id(c): r.get("memory") or {} for r in runs for c in r["cells"]}
 

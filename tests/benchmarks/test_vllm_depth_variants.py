@@ -75,6 +75,26 @@ def test_compare_puts_every_variant_against_off():
     assert "| on |" in on and "-10.0 %" in on and "2/2" in on
 
 
+@pytest.mark.parametrize(
+    "stats,shown",
+    [
+        ({"o_proj_quant_in_place": 1}, "o_proj quant in place"),
+        ({"o_proj_quant_in_place_refused": 1}, "o_proj quant copied"),
+        ({}, None),
+    ],
+)
+def test_compare_says_how_the_fp8_handoff_quantized_the_other_rows(stats, shown):
+    """An epilogue engine with the FP8 handoff: whether o_proj's quantization wrote the
+    handoff's other rows in place or they were copied (two more kernels a layer on such a
+    step), from the plugin's counters after start."""
+    off, epi = _run("off", 10.0, [1, 2]), _run("epi-stored", 9.0, [1, 2])
+    epi["plugin_after_start"] = {"layers_fused": 61, **stats}
+    (row,) = [line for line in compare([off, epi]).splitlines() if line.startswith("| tp8")]
+    assert "61/61" in row
+    for text in ("o_proj quant in place", "o_proj quant copied"):
+        assert (text in row) == (text == shown), row
+
+
 def test_compare_pairs_the_repeats():
     """Repeat i against repeat i: the repeats' medians move together (the tokens, hence the
     MoE routing, change from repeat to repeat), so the ranges overlap while every pair says
