@@ -334,6 +334,7 @@ class _LayerState:
         self._stored = None  # (W_UK_T, W_UV) QuantizedWeight, FUSEMLA_VLLM_W_UK=stored
         self._checked = False
         self._reason: str | None = None
+        self._in_place: bool | None = None  # quantizes_in_place's verdict, once decided
 
     # -- FP8 weights as the checkpoint stores them (FUSEMLA_VLLM_W_UK=stored)
 
@@ -621,7 +622,10 @@ class _LayerState:
         """Whether o_proj's quantization writes the handoff's rows in place
         (:meth:`VllmAdapter.o_proj_quantize_into`): decided once per process and handoff
         format, at the first call outside a CUDA graph capture, by :func:`_check_in_place`
-        on the device (until then, copies: a graph captured before it keeps them)."""
+        on the device (until then, copies: a graph captured before it keeps them); kept on
+        the layer after that, so a step only reads it."""
+        if self._in_place is not None:
+            return self._in_place
         key = (self.o_fp8["group_size"], self.o_fp8["ue8m0"], self.o_fp8["col_major"])
         key += (str(codes.dtype), codes.shape[1], str(x.dtype), x.device.type)
         ok = _in_place.get(key)
@@ -642,6 +646,7 @@ class _LayerState:
                     "fusemla: o_proj's input quantization is copied into the FP8 handoff: %s",
                     why,
                 )
+        self._in_place = ok
         return ok
 
     def vllm_rope(self, positions, q, k_pe):
