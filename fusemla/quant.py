@@ -78,6 +78,17 @@ def _k_major(x: torch.Tensor) -> bool:
     return x.transpose(1, 2).is_contiguous()
 
 
+def _heads_apart(x: torch.Tensor, k_major: bool) -> bool:
+    """``x`` ``[H, K, N]`` holds each head as one contiguous ``[K, N]`` block (or, ``k_major``,
+    one contiguous ``[N, K]`` block), the heads any distance apart that keeps them from
+    overlapping: e.g. a view of one side of a checkpoint's ``[H, P + V, L]`` weight."""
+    H, K, N = x.shape
+    inner = x[:1].transpose(1, 2) if k_major else x[:1]
+    if not inner.is_contiguous():
+        return False
+    return H == 1 or K * N == 0 or x.stride(0) >= K * N
+
+
 def _block_size(block_size: object) -> tuple[int, int]:
     """A checkpoint's ``weight_block_size`` ``(bn, bk)``: two positive ints."""
     if (
@@ -112,7 +123,10 @@ class QuantizedWeight:
 
     ``format == "fp8"``:
         ``data``: ``[H, K, N]`` ``float8_e4m3fn`` or ``float8_e4m3fnuz``, contiguous or K-major
-        (``data.transpose(1, 2)`` contiguous: what :func:`quantize_fp8_weight` makes).
+        (``data.transpose(1, 2)`` contiguous: what :func:`quantize_fp8_weight` makes), or either
+        of these per head with the heads further apart (``data.stride(0) >= K * N``): a view of
+        one side of a checkpoint's ``kv_b_proj`` (:func:`split_kv_b_proj_fp8` with
+        ``share=True``).
         ``scale``: fp32, contiguous: ``[1]`` (per tensor), ``[H]`` (per head), or with
         ``block=(bk, bn)`` ``[H, ceil(K / bk), ceil(N / bn)]`` (one scale per block of each
         head, DeepSeek's 128 x 128 ``weight_scale_inv`` as the checkpoint stores it, in this
@@ -189,12 +203,17 @@ class QuantizedWeight:
                     f"scale: expected shape [H, P // 32, L] = "
                     f"{list(expected)}, got {describe(scale)}"
                 )
-        if not (data.is_contiguous() or (self.format == "fp8" and _k_major(data))):
+        fp8 = self.format == "fp8"
+        if not (
+            data.is_contiguous()
+            or (fp8 and (_k_major(data) or _heads_apart(data, False) or _heads_apart(data, True)))
+        ):
             raise FuseMLAValueError(
                 "data: expected a contiguous tensor"
                 + (
-                    " or a K-major one (data.transpose(1, 2) contiguous)"
-                    if self.format == "fp8"
+                    " or a K-major one (data.transpose(1, 2) contiguous), or heads apart "
+                    "(each head's [K, N] or K-major [N, K] contiguous, heads not overlapping)"
+                    if fp8
                     else ""
                 )
                 + f", got {describe(data)}"
@@ -232,8 +251,15 @@ class QuantizedWeight:
 
     @property
     def k_major(self) -> bool:
-        """FP8 ``data`` stored K-major (``data.transpose(1, 2)`` contiguous, not contiguous)."""
-        return self.format == "fp8" and not self.data.is_contiguous() and _k_major(self.data)
+        """FP8 ``data`` stored K-major (each head's ``data[h].T`` contiguous, ``data`` not
+        contiguous)."""
+        d = self.data
+        return (
+            self.format == "fp8"
+            and not d.is_contiguous()
+            and not _heads_apart(d, False)
+            and (_k_major(d) or _heads_apart(d, True))
+        )
 
     @property
     def device(self) -> torch.device:
@@ -499,6 +525,7 @@ def split_kv_b_proj_fp8(
     qk_nope_head_dim: int,
     v_head_dim: int,
     block_size: tuple[int, int] = (128, 128),
+    share: bool = False,
 ) -> tuple[QuantizedWeight, QuantizedWeight]:
     """Split a DeepSeek-V3 block-FP8 ``kv_b_proj`` into ``(W_UK_T, W_UV)`` as stored: no
     dequantization, no requantization.
@@ -522,12 +549,18 @@ def split_kv_b_proj_fp8(
     ``split_kv_b_proj(dequantize_block_fp8(weight, weight_scale_inv, block_size), ...)``.
     Only shapes, dtypes and devices are checked: this never syncs the device.
 
+    ``share=True``: the codes are views of ``weight`` instead (its own bytes, no copy: an engine
+    that keeps ``kv_b_proj`` for prefill holds the codes once), each head ``(P + V) * L``
+    elements after the last, so ``weight`` must be contiguous; writing into ``weight`` in place
+    changes them. The scales are still copies (``H * (P + V) / bn * ceil(L / bk)`` floats).
+
     Raises:
         FuseMLATypeError: a non-tensor, a wrong dtype, a non-int dim, or the two tensors on
             different devices.
-        FuseMLAValueError: a non-positive dim, a bad ``block_size``, a wrong shape, or a block
+        FuseMLAValueError: a non-positive dim, a bad ``block_size``, a wrong shape, a block
             of ``bn`` rows that would straddle the W_UK_T / W_UV split inside a head
-            (``P % bn != 0``) or the boundary between heads (``V % bn != 0``).
+            (``P % bn != 0``) or the boundary between heads (``V % bn != 0``), or
+            ``share=True`` with a non-contiguous ``weight``.
     """
     w = _tensor("weight", weight)
     s = _tensor("weight_scale_inv", weight_scale_inv)
@@ -565,12 +598,24 @@ def split_kv_b_proj_fp8(
         raise FuseMLATypeError(
             f"weight_scale_inv: expected device {w.device} (that of weight), got {describe(s)}"
         )
+    if not isinstance(share, bool):
+        raise FuseMLATypeError(f"share: expected a bool, got {describe(share)}")
+    if share and not w.is_contiguous():
+        raise FuseMLAValueError(
+            f"weight: share=True views its codes per head, which needs a contiguous weight, "
+            f"got {describe(w)} (share=False copies them)"
+        )
     pb, lb = P // bn, expected[1]
     cf = torch.contiguous_format
-    codes = w.view(torch.uint8).reshape(H, P + V, L)  # bytes: copied as they are, never cast
+    if share:
+        codes = w.view(H, P + V, L)
+        uk_data = codes[:, :P, :]
+        uv_data = codes[:, P:, :].transpose(1, 2)
+    else:
+        codes = w.view(torch.uint8).reshape(H, P + V, L)  # bytes: copied as they are, never cast
+        uk_data = codes[:, :P, :].clone(memory_format=cf).view(w.dtype)
+        uv_data = codes[:, P:, :].clone(memory_format=cf).view(w.dtype).transpose(1, 2)
     s3 = s.float().reshape(H, pb + V // bn, lb)
-    uk_data = codes[:, :P, :].clone(memory_format=cf).view(w.dtype)
-    uv_data = codes[:, P:, :].clone(memory_format=cf).view(w.dtype).transpose(1, 2)
     uk_scale = s3[:, :pb, :].clone(memory_format=cf)
     uv_scale = s3[:, pb:, :].transpose(1, 2).clone(memory_format=cf)
     return (

@@ -134,7 +134,8 @@ def stats() -> dict[str, int]:
     ``o_proj_quant_in_place_refused``: handoff formats whose in-place quantization passed /
     failed its check on the device (:func:`_check_in_place`, logged); ``stored_builds``:
     W_UK_T / W_UV pairs read from a block-FP8 ``kv_b_proj`` as stored
-    (``FUSEMLA_VLLM_W_UK=stored``).
+    (``FUSEMLA_VLLM_W_UK=stored``; their codes are views of vLLM's weight), ``stored_copied``
+    those of them whose codes were copied (vLLM's weight not contiguous).
     """
     return dict(_stats)
 
@@ -340,11 +341,13 @@ class _LayerState:
 
     def stored(self):
         """``(W_UK_T, W_UV)`` read from vLLM's block-FP8 ``kv_b_proj`` as stored (codes and
-        block scales byte-identical, :func:`fusemla.quant.split_kv_b_proj_fp8`: copies beside
-        vLLM's own, 8 MiB each a layer at 128 heads), rebuilt when vLLM replaces it; W_UV is
-        None in a layer without the epilogue (not kept); None (logged once, the layer reads
-        vLLM's own tensors) when the checkpoint is not block-FP8 or its blocks straddle a
-        head."""
+        block scales byte-identical, :func:`fusemla.quant.split_kv_b_proj_fp8`): the codes are
+        views of ``kv_b_proj.weight``, which vLLM keeps for prefill (no second copy; a
+        non-contiguous weight is copied, 8 MiB per piece a layer at 128 heads, and counted in
+        ``stored_copied``), the block scales small copies; rebuilt when vLLM replaces or
+        rewrites it; W_UV is None in a layer without the epilogue (not kept); None (logged
+        once, the layer reads vLLM's own tensors) when the checkpoint is not block-FP8 or its
+        blocks straddle a head."""
         if self.w_uk != "stored":
             return None
         src, why = self.ad.kv_b_proj_fp8(self.attn)
@@ -356,6 +359,7 @@ class _LayerState:
             from fusemla.quant import split_kv_b_proj_fp8
 
             H = src[0].shape[0] // (self.P + self.V)
+            share = src[0].is_contiguous()  # the codes as views of vLLM's own weight
             try:
                 pair = split_kv_b_proj_fp8(
                     src[0],
@@ -364,14 +368,17 @@ class _LayerState:
                     qk_nope_head_dim=self.P,
                     v_head_dim=self.V,
                     block_size=src[2],
+                    share=share,
                 )
             except FuseMLAError as e:
                 why = str(e)
             else:
-                if not self.epilogue:  # only the epilogue reads W_UV: its copy not kept
+                if not self.epilogue:  # only the epilogue reads W_UV: not kept
                     pair = (pair[0], None)
                 self._stored, self._stored_key = pair, key
                 _stats["stored_builds"] += 1
+                if not share:
+                    _stats["stored_copied"] += 1
                 return pair
         _log_once(
             logging.WARNING,

@@ -188,6 +188,70 @@ def test_non_contiguous_inputs_and_no_aliasing():
     assert torch.equal(uk.data.view(torch.uint8), before[0]) and torch.equal(uv.scale, before[1])
 
 
+@pytest.mark.parametrize("seed, H, P, V, L, dtype, sdtype, block", CASES, ids=CASE_IDS)
+def test_shared_codes_are_views_of_the_checkpoint(seed, H, P, V, L, dtype, sdtype, block):
+    """share=True: the codes are the checkpoint's own memory (each head (P + V) * L elements
+    after the last, the layouts of the copies), the same bytes and scales as the copies, and an
+    in-place rewrite of the checkpoint shows in them; the scales are still copies."""
+    w, s = _checkpoint(seed, H, P, V, L, dtype, sdtype, block)
+    uk, uv = _split(w, s, H, P, V, block)
+    suk, suv = split_kv_b_proj_fp8(
+        w, s, num_heads=H, qk_nope_head_dim=P, v_head_dim=V, block_size=block, share=True
+    )
+    base = w.untyped_storage().data_ptr()
+    assert suk.data.untyped_storage().data_ptr() == suv.data.untyped_storage().data_ptr() == base
+    assert suk.data.data_ptr() == w.data_ptr() and suv.data.data_ptr() == w[P].data_ptr()
+    assert suk.data.stride() == ((P + V) * L, L, 1) and not suk.k_major
+    assert suv.data.stride() == ((P + V) * L, 1, L) and suv.k_major
+    for a, b in ((uk, suk), (uv, suv)):
+        assert a.shape == b.shape and a.block == b.block and a.data.dtype == b.data.dtype
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scale, b.scale) and b.scale.is_contiguous()
+        assert b.scale.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+        assert torch.equal(a.dequantize(), b.dequantize())
+    byte = w.view(torch.uint8)[P + V - 1, L - 1].item()  # head 0's last W_UV row, last column
+    w.view(torch.uint8)[P + V - 1, L - 1] = byte ^ 1  # rewritten in place
+    assert suv.data.view(torch.uint8)[0, L - 1, V - 1].item() == byte ^ 1  # the view sees it
+    assert uv.data.view(torch.uint8)[0, L - 1, V - 1].item() == byte  # the copy does not
+
+
+def test_share_needs_a_contiguous_weight_and_a_bool():
+    w, s = _checkpoint(42, 2, 128, 128, 320)
+    wt = w.T.contiguous().T
+    with pytest.raises(FuseMLAValueError, match=r"^weight: share=True views its codes per head"):
+        _call(w=wt, s=s, share=True)
+    uk, uv = _call(w=wt, s=s)  # copies: any strides
+    assert uk.data.is_contiguous()
+    with pytest.raises(FuseMLATypeError, match=r"^share: expected a bool, got int"):
+        _call(w=w, s=s, share=1)
+
+
+@pytest.mark.parametrize("k_major", [False, True], ids=["rows", "k_major"])
+def test_quantized_weight_heads_apart(k_major):
+    """QuantizedWeight takes FP8 data whose heads are each contiguous (or K-major) and any
+    distance apart that keeps them from overlapping; overlapping heads, or a head that is not
+    one contiguous block, are refused naming data."""
+    H, K, N = 3, 16, 24
+
+    def laid(gap: int, inner_step: int = 1) -> torch.Tensor:
+        a, b = (N, K) if k_major else (K, N)
+        buf = torch.zeros(H, a * b + gap + a * b * (inner_step - 1)).to(E4M3FN)
+        x = buf[:, : a * b * inner_step].view(H, a, b * inner_step)[:, :, ::inner_step]
+        return x.transpose(1, 2) if k_major else x
+
+    scale = torch.ones(H)
+    for gap in (0, 1, 40):
+        w = QuantizedWeight(laid(gap), scale, "fp8")
+        assert w.shape == (H, K, N) and w.k_major == k_major and w.data.stride(0) == K * N + gap
+    overlap = laid(0).as_strided((H, K, N), (K * N - 1, *laid(0).stride()[1:]))
+    with pytest.raises(
+        FuseMLAValueError, match=r"^data: expected a contiguous tensor or a K-major"
+    ):
+        QuantizedWeight(overlap, scale, "fp8")
+    with pytest.raises(FuseMLAValueError, match=r"heads not overlapping\), got"):
+        QuantizedWeight(laid(8, inner_step=2), scale, "fp8")
+
+
 def test_meta_tensors_shapes_only():
     """No value is read (no sync): the split runs on meta tensors and gives the right shapes."""
     w = torch.empty(2 * 256, 320, dtype=E4M3FN, device="meta")
@@ -210,11 +274,11 @@ def _s(rows: int = 4, cols: int = 3, dtype: torch.dtype = torch.float32, **kw) -
     return torch.ones(rows, cols, dtype=dtype, **kw)
 
 
-def _call(w=None, s=None, H=2, P=128, V=128, block=(128, 128)):
+def _call(w=None, s=None, H=2, P=128, V=128, block=(128, 128), **kw):
     w = _w() if w is None else w
     s = _s() if s is None else s
     return split_kv_b_proj_fp8(
-        w, s, num_heads=H, qk_nope_head_dim=P, v_head_dim=V, block_size=block
+        w, s, num_heads=H, qk_nope_head_dim=P, v_head_dim=V, block_size=block, **kw
     )
 
 

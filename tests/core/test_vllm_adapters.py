@@ -605,8 +605,9 @@ def _kv_b_proj(H, P, V, L, block, dtype="fp8"):
 
 def test_stored_weights_read_as_stored(monkeypatch):
     """FUSEMLA_VLLM_W_UK=stored: W_UK_T (prologue) and W_UV (epilogue) are the checkpoint's
-    block-FP8 codes and scales as stored, built once per layer and rebuilt when vLLM reloads
-    kv_b_proj."""
+    block-FP8 codes and scales as stored, the codes views of vLLM's own kv_b_proj weight (no
+    second copy), built once per layer and rebuilt when vLLM reloads kv_b_proj; a
+    non-contiguous weight is copied and counted."""
     import torch
 
     from fusemla.integrations import vllm as plugin
@@ -628,9 +629,16 @@ def test_stored_weights_read_as_stored(monkeypatch):
         uk.data.view(torch.uint8),
         kvb.weight.view(H, P + V, L)[:, :P].contiguous().view(torch.uint8),
     )
+    # the codes are vLLM's own memory: W_UK_T at the weight's start, W_UV P rows into it
+    assert uk.data.data_ptr() == kvb.weight.data_ptr()
+    assert uv.data.data_ptr() == kvb.weight[P].data_ptr() and uv.data.stride(0) == (P + V) * L
+    assert "stored_copied" not in plugin.stats()
     assert plugin.stats()["stored_builds"] == 1  # built once
     kvb.weight_scale_inv.mul_(2)  # vLLM reloaded the weights in place: rebuilt
     assert st.stored()[0] is not uk and plugin.stats()["stored_builds"] == 2
+    kvb.weight.view(torch.uint8)[0, 0] ^= 1  # the codes rewritten in place: rebuilt too
+    assert plugin.stats()["stored_builds"] == 2 and st.stored() is not None
+    assert plugin.stats()["stored_builds"] == 3
     # a layer without the epilogue keeps only W_UK_T (W_UV's copy is the epilogue's alone)
     st2 = plugin._LayerState(_Fp8Adapter(), layer, True, True, "stored")
     uk2, uv2 = st2.stored()
@@ -638,6 +646,16 @@ def test_stored_weights_read_as_stored(monkeypatch):
         uk2.data.view(torch.uint8), st.stored()[0].data.view(torch.uint8)
     )
     assert st2.spec(None).w_uk_t is uk2
+    # a weight vLLM holds with other strides: its codes copied, the same bytes, counted
+    kvb_t, _ = _kv_b_proj(H, P, V, L, (16, 16))
+    kvb_t.weight = kvb.weight.T.contiguous().T
+    layer.mla_attn.kv_b_proj = kvb_t
+    st3 = plugin._LayerState(_Fp8Adapter(), layer, True, True, "stored", epilogue=True)
+    uk3, uv3 = st3.stored()
+    assert plugin.stats()["stored_copied"] == 1 and uk3.data.is_contiguous()
+    assert uk3.data.untyped_storage().data_ptr() != kvb_t.weight.untyped_storage().data_ptr()
+    assert torch.equal(uk3.data.view(torch.uint8), st.stored()[0].data.view(torch.uint8))
+    assert torch.equal(uv3.data.view(torch.uint8), st.stored()[1].data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("case", ["bf16", "straddle"])

@@ -98,9 +98,10 @@ def _block_scales(shape, g) -> torch.Tensor:
     return torch.rand(shape, generator=g).add(0.5) * torch.exp2(octave)
 
 
-def _kv_b_proj_w_uv(H, P, L, V, block, g, device="cpu") -> QuantizedWeight:
+def _kv_b_proj_w_uv(H, P, L, V, block, g, device="cpu", share=False) -> QuantizedWeight:
     """W_UV of a random block-FP8 ``kv_b_proj`` ``[H * (P + V), L]`` as a DeepSeek-V3
-    checkpoint stores it (``block_size = (bn, bk)``), split by :func:`split_kv_b_proj_fp8`."""
+    checkpoint stores it (``block_size = (bn, bk)``), split by :func:`split_kv_b_proj_fp8`
+    (``share``: its codes as views of the checkpoint's, heads ``(P + V) * L`` apart)."""
     bn, bk = block
     R = H * (P + V)
     codes = (torch.randn(R, L, generator=g) * 96).clamp(-448, 448).to(FP8)
@@ -112,8 +113,10 @@ def _kv_b_proj_w_uv(H, P, L, V, block, g, device="cpu") -> QuantizedWeight:
         qk_nope_head_dim=P,
         v_head_dim=V,
         block_size=block,
+        share=share,
     )
     assert w_uv.shape == (H, L, V) and w_uv.block == (bk, bn) and w_uv.k_major
+    assert w_uv.data.stride(0) == (P + V) * L if share else V * L
     return w_uv
 
 
@@ -434,6 +437,37 @@ def test_block_fp8_kv_b_proj_matches_reference(device, case, dtype, out):
     kw = {} if out == "act" else dict(out_dtype=FP8, group_size=group)
     fused, ref = _run_both(x, w, **kw)
     _check(x, w, fused, ref, group=group)
+
+
+@pytest.mark.parametrize("case", ["32x32-V64-L128", "32x16-L80"])
+def test_block_fp8_kv_b_proj_views(device, case):
+    """W_UV whose codes are views of the checkpoint's kv_b_proj (split_kv_b_proj_fp8 with
+    share=True, what the vLLM plugin reads): heads (P + V) * L apart. Both outputs match the
+    reference, and byte for byte the same weight copied into its own memory."""
+    P, V, L, block = KV_B_PROJ_BLOCKS[case][device == "cuda"]
+    H = _dims(device)["H"]
+    shared = _kv_b_proj_w_uv(H, P, L, V, block, _gen("kvb-views", case), device, share=True)
+    copied = QuantizedWeight(
+        shared.data.transpose(1, 2).contiguous().transpose(1, 2),
+        shared.scale,
+        "fp8",
+        block=shared.block,
+    )
+    assert copied.data.stride(0) == V * L and copied.data.data_ptr() != shared.data.data_ptr()
+    x = _act(21, H, L, _gen("kvb-views-x", case), BF16, device)
+    group = 32 if device == "cpu" else 128
+    for kw in ({}, dict(out_dtype=FP8, group_size=group)):
+        fused, ref = _run_both(x, shared, **kw)
+        _check(x, shared, fused, ref, group=group)
+        again = fusemla.mla_epilogue(x, copied, **kw)
+        pairs = zip(fused, again) if isinstance(fused, tuple) else [(fused, again)]
+        for a, b in pairs:  # codes compared as bytes; bf16 outputs and fp32 scales as values
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert (
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                if a.dtype == FP8
+                else (torch.equal(a, b))
+            )
 
 
 #: hand-built block scales: (L, V, (rows along L, columns along V)); L or V not a multiple

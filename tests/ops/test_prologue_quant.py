@@ -77,14 +77,18 @@ def test_fp8_weights(device, dtype, fmt, B, D):
         ("bf16", "vllm_view"),
         ("fp8-head", "contiguous"),
         ("fp8-head", "k_major"),
+        ("fp8-head", "heads_apart"),
+        ("fp8-head", "heads_apart_k_major"),
         ("fp8xfp8", "contiguous"),
         ("fp8xfp8", "k_major"),
     ],
 )
 def test_weight_layouts(device, weights, layout, D):
     """The kernel reads W_UK_T in any layout with stride 1 along L or P: contiguous, K-major
-    (quantize_fp8_weight's default) and, for a plain weight, vLLM's permuted view of W_UK
-    [L, H, P] (strides (P, 1, H * P)); every layout gives the bytes the contiguous one gives."""
+    (quantize_fp8_weight's default), each of those per head with NaN codes between the heads
+    (a view of one side of a checkpoint's kv_b_proj: split_kv_b_proj_fp8(share=True)) and, for
+    a plain weight, vLLM's permuted view of W_UK [L, H, P] (strides (P, 1, H * P)); every
+    layout gives the bytes the contiguous one gives."""
     inp = make_inputs(
         D,
         **_dims(device, 4),
@@ -98,6 +102,15 @@ def test_weight_layouts(device, weights, layout, D):
             return x.contiguous()
         if layout == "k_major":
             return x.transpose(1, 2).contiguous().transpose(1, 2)
+        if layout.startswith("heads_apart"):  # 3 rows of NaN codes after each head
+            t = x.transpose(1, 2) if layout.endswith("k_major") else x
+            buf = torch.empty(
+                t.shape[0], t.shape[1] + 3, t.shape[2], dtype=x.dtype, device=x.device
+            )
+            buf.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN: a read past a head shows
+            buf[:, : t.shape[1]].copy_(t)
+            t = buf[:, : t.shape[1]]
+            return t.transpose(1, 2) if layout.endswith("k_major") else t
         return x.permute(2, 0, 1).contiguous().permute(1, 2, 0)  # [L, H, P] storage
 
     kw = {"act_quant": "fp8"} if weights == "fp8xfp8" else {}
@@ -106,9 +119,8 @@ def test_weight_layouts(device, weights, layout, D):
     else:
         q = quantize_fp8_weight(inp.w_uk_t, per_head=True, k_major=False)
         w, w_ref = QuantizedWeight(laid_out(q.data), q.scale, "fp8"), q
-    assert (w.stride() if weights == "bf16" else w.data.stride())[
-        1 if layout != "contiguous" else 2
-    ] == 1
+    along_p = layout in ("k_major", "heads_apart_k_major", "vllm_view")
+    assert (w.stride() if weights == "bf16" else w.data.stride())[1 if along_p else 2] == 1
     cache0 = inp.kv_cache.clone()
     out = inp.run(mla_prologue, w_uk_t=w, **kw)
     cache = inp.kv_cache.clone()
