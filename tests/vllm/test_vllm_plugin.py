@@ -274,6 +274,7 @@ def test_epilogue_fp8_handoff_to_block_fp8_o_proj(runner, variant):
     assert s["o_proj_quant_copied_rows"] == s["o_proj_quant_rows"], s
     assert "not vLLM's CUDA per_token_group_fp8_quant" in on["log"]
     assert s.get("stored_builds", 0) == (layers if variant == "stored" else 0), s
+    assert not s.get("stored_copied"), s  # stored: the codes read in place from vLLM's weight
     assert "epilogue FP8 into o_proj (EmulatedFp8BlockKernel)" in on["log"]
 
 
