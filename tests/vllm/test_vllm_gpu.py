@@ -100,6 +100,8 @@ if _ONLY_MODELS:
     CASES = [(m, mode) for m, mode in CASES if m in _ONLY_MODELS]
     FP8_MODELS = tuple(m for m in FP8_MODELS if m in _ONLY_MODELS)
     WUK_MODELS = tuple(m for m in WUK_MODELS if m in _ONLY_MODELS)
+    EPI_MODELS = tuple(m for m in EPI_MODELS if m in _ONLY_MODELS)
+    EPI8_MODELS = tuple(m for m in EPI8_MODELS if m in _ONLY_MODELS)
 # FUSEMLA_VLLM_GPU_DRYRUN=1: the suite's own logic on vLLM's CPU build (one model, eager, the
 # CPU schedule, no FP8 / TP=2 / kernel counts), to check the test code before GPU time
 if DRYRUN:
