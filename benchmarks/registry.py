@@ -115,6 +115,13 @@ BENCHMARKS = (
         results="h200_layout_probe_*.json, h200_swap_probe_*.json",
     ),
     Benchmark(
+        "stored_views_probe",
+        "probe",
+        "a block-FP8 checkpoint's codes read in place (views of kv_b_proj) vs copies, both kernels",
+        module="benchmarks.probes.stored_views_probe",
+        results="h100_stored_views_probe_*.json",
+    ),
+    Benchmark(
         "stage_probe",
         "probe",
         "the kernel with parts of its grid left out (BMM only, RoPE + cache only), read floor",
