@@ -91,6 +91,13 @@ MTP_MODEL = HALF_MODEL + "-mtp"
 MTP = dict(speculative=1, spec_method="deepseek_mtp")
 MAX_LEN = 2048
 SCHEDULE = "gpu"
+# the graph modes the fp8, flashmla, epi, epi8, wuk and tp2 groups run each case in;
+# FUSEMLA_VLLM_GPU_MODES=eager (comma-separated): only these (a lease too short for the graphs)
+GRAPH_MODES = tuple(
+    m
+    for m in ("eager", "full_and_piecewise")
+    if m in os.environ.get("FUSEMLA_VLLM_GPU_MODES", "eager,full_and_piecewise").split(",")
+)
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
 _ONLY_MODELS = [
     m.strip() for m in os.environ.get("FUSEMLA_VLLM_GPU_MODELS", "").split(",") if m.strip()
@@ -157,7 +164,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     if want("fp8") and FP8_MODELS:
         fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
         for m in FP8_MODELS:
-            for mode in ("eager", "full_and_piecewise"):
+            for mode in GRAPH_MODES:
                 specs += [
                     _spec(m, f"fp8t-off-{mode}", False, mode, **fp8),
                     _spec(m, f"fp8t-on-{mode}", True, mode, **fp8),
@@ -173,7 +180,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
         ]
         # ... and the plugin forced onto it (eager and full graphs) against vLLM's own FLASHMLA
         # FP8 path and its FP8 noise floor: the runs that decide the fallback
-        for mode in ("eager", "full_and_piecewise"):
+        for mode in GRAPH_MODES:
             specs += [
                 _spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8),
                 _spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8),
@@ -193,7 +200,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
         ]
     if want("epi"):  # FUSEMLA_VLLM_EPILOGUE=1 against vLLM's bf16 path
         for m in EPI_MODELS:
-            for mode in ("eager", "full_and_piecewise"):
+            for mode in GRAPH_MODES:
                 specs.append(_spec(m, f"epi-on-{mode}", True, mode, env=EPI_ON))
                 if not want("main"):
                     specs.append(_spec(m, f"off-{mode}", False, mode))
@@ -201,7 +208,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
     if want("epi8") and EPI8_MODELS:
         for m in EPI8_MODELS:
-            for mode in ("eager", "full_and_piecewise"):
+            for mode in GRAPH_MODES:
                 specs += [
                     _spec(m, f"off-{mode}", False, mode),
                     _spec(m, f"epi8-on-{mode}", True, mode, env=EPI8_ON),
@@ -213,7 +220,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
         )
     if want("wuk"):
         for m in WUK_MODELS:
-            for mode in ("eager", "full_and_piecewise"):
+            for mode in GRAPH_MODES:
                 for w in WUK_MODES:
                     specs.append(
                         _spec(m, f"wuk-{w}-on-{mode}", True, mode, env={"FUSEMLA_VLLM_W_UK": w})
@@ -241,7 +248,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 _spec(HALF_MODEL, f"{b}-on", True, mode, backend=b),
             ]
     if tp2 and want("tp2"):
-        for mode in ("eager", "full_and_piecewise"):
+        for mode in GRAPH_MODES:
             specs += [
                 _spec(HALF_MODEL, f"tp2-off-{mode}", False, mode, tp=2),
                 _spec(HALF_MODEL, f"tp2-on-{mode}", True, mode, tp=2),
@@ -489,7 +496,7 @@ def _judge_speculative(
 
 
 @pytest.mark.parametrize("model", FP8_MODELS)
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_fp8_cache(gpu_runs, model, mode):
     """kv_cache_dtype="fp8" through TRITON_MLA: the plugin on vs off within the FP8 noise floor
     (vLLM's own path with its values perturbed by a bf16 ulp before the FP8 quantization)."""
@@ -600,7 +607,7 @@ def test_fp8_cache_on_flashmla_in_vllms_default_mode(gpu_runs):
 
 
 @pytest.mark.skipif(not FP8_MODELS, reason="no FP8 cache runs (dry run on the CPU)")
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_fp8_cache_on_flashmla_forced_fused(gpu_runs, mode):
     """The plugin forced onto FLASHMLA (``FUSEMLA_VLLM_FORCE_BACKENDS``) with an FP8 cache:
     fused in every layer, and within the FP8 noise floor of vLLM's own FLASHMLA path (its
@@ -616,7 +623,7 @@ def test_fp8_cache_on_flashmla_forced_fused(gpu_runs, mode):
 
 
 @pytest.mark.parametrize("model", WUK_MODELS)
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 @pytest.mark.parametrize("w_uk", WUK_MODES)
 def test_fp8_w_uk(gpu_runs, model, mode, w_uk):
     """FUSEMLA_VLLM_W_UK=fp8 / fp8xfp8 against vLLM's bf16 path: fused everywhere; the
@@ -652,7 +659,7 @@ def test_fp8_w_uk(gpu_runs, model, mode, w_uk):
             assert dev[k] < bug[k], (k, dev, bug)
 
 
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 @pytest.mark.parametrize("model", EPI_MODELS)
 def test_epilogue_matches_vllm(gpu_runs, model, mode):
     """FUSEMLA_VLLM_EPILOGUE=1 (every step: FUSEMLA_VLLM_EPILOGUE_TOKENS=all): the decode
@@ -680,7 +687,7 @@ def test_epilogue_matches_vllm(gpu_runs, model, mode):
         assert _kernels(off)["fusemla_epilogue"] == 0
 
 
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 @pytest.mark.parametrize("model", EPI8_MODELS)
 @pytest.mark.parametrize("variant", ["on", "stored"])
 def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
@@ -824,7 +831,7 @@ def test_flashmla_bf16_under_full_graphs(gpu_runs):
     assert judge(bad, floor) != [], bad  # the reason for the fallback: still so?
 
 
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_tp2(gpu_runs, mode):
     _need("tp2")
     runner, report = gpu_runs
