@@ -93,15 +93,26 @@ MAX_LEN = 2048
 SCHEDULE = "gpu"
 # the graph modes the fp8, flashmla, epi, epi8, wuk and tp2 groups run each case in;
 # FUSEMLA_VLLM_GPU_MODES=eager (comma-separated): only these (a lease too short for the graphs)
-GRAPH_MODES = tuple(
-    m
-    for m in ("eager", "full_and_piecewise")
-    if m in os.environ.get("FUSEMLA_VLLM_GPU_MODES", "eager,full_and_piecewise").split(",")
-)
+GRAPH_MODES = ("eager", "full_and_piecewise")
+
+
+def _narrowed(var: str, known: tuple) -> list[str]:
+    """The names env ``var`` lists (comma-separated; none: ``[]``); a name not in ``known``
+    raises, so a typo cannot narrow the suite to nothing and pass by skipping."""
+    names = [n.strip() for n in os.environ.get(var, "").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"{var}: unknown {unknown}; known: {sorted(known)}")
+    return names
+
+
+_ONLY_MODES = _narrowed("FUSEMLA_VLLM_GPU_MODES", GRAPH_MODES)
+if _ONLY_MODES:
+    GRAPH_MODES = tuple(m for m in GRAPH_MODES if m in _ONLY_MODES)
 # FUSEMLA_VLLM_GPU_MODELS=<m1,m2>: only these models (e.g. a shorter run on a second vLLM version)
-_ONLY_MODELS = [
-    m.strip() for m in os.environ.get("FUSEMLA_VLLM_GPU_MODELS", "").split(",") if m.strip()
-]
+_ONLY_MODELS = _narrowed(
+    "FUSEMLA_VLLM_GPU_MODELS", (*MODELS, *FP8_MODELS, *WUK_MODELS, *EPI_MODELS, *EPI8_MODELS)
+)
 if _ONLY_MODELS:
     MODELS = tuple(m for m in MODELS if m in _ONLY_MODELS)
     CASES = [(m, mode) for m, mode in CASES if m in _ONLY_MODELS]
