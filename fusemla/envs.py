@@ -267,7 +267,16 @@ VARIABLES: dict[str, EnvVar] = {
             "FUSEMLA_VLLM_GPU_MODELS",
             "text",
             "",
-            "tests/vllm/test_vllm_gpu.py: only these models (comma-separated).",
+            "tests/vllm/test_vllm_gpu.py: only these models (comma-separated; an unknown "
+            "name raises).",
+            scope="tests",
+        ),
+        EnvVar(
+            "FUSEMLA_VLLM_GPU_MODES",
+            "text",
+            "",
+            "tests/vllm/test_vllm_gpu.py: only these graph modes (eager, full_and_piecewise; "
+            "comma-separated) in every group but main.",
             scope="tests",
         ),
         EnvVar(
