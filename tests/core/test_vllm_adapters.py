@@ -647,6 +647,7 @@ def test_stored_weights_read_as_stored(monkeypatch):
     )
     assert st2.spec(None).w_uk_t is uk2
     # a weight vLLM holds with other strides: its codes copied, the same bytes, counted
+    viewed = [t.data.view(torch.uint8).clone() for t in st.stored()]
     kvb_t, _ = _kv_b_proj(H, P, V, L, (16, 16))
     kvb_t.weight = kvb.weight.T.contiguous().T
     layer.mla_attn.kv_b_proj = kvb_t
@@ -654,8 +655,8 @@ def test_stored_weights_read_as_stored(monkeypatch):
     uk3, uv3 = st3.stored()
     assert plugin.stats()["stored_copied"] == 1 and uk3.data.is_contiguous()
     assert uk3.data.untyped_storage().data_ptr() != kvb_t.weight.untyped_storage().data_ptr()
-    assert torch.equal(uk3.data.view(torch.uint8), st.stored()[0].data.view(torch.uint8))
-    assert torch.equal(uv3.data.view(torch.uint8), st.stored()[1].data.view(torch.uint8))
+    assert torch.equal(uk3.data.view(torch.uint8), viewed[0])
+    assert torch.equal(uv3.data.view(torch.uint8), viewed[1])
 
 
 @pytest.mark.parametrize("case", ["bf16", "straddle"])
