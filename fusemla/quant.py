@@ -73,15 +73,11 @@ def _finite(name: str, x: torch.Tensor) -> None:
         raise FuseMLAValueError(f"{name}: expected finite values, got inf or NaN in {describe(x)}")
 
 
-def _k_major(x: torch.Tensor) -> bool:
-    """``x`` ``[H, K, N]`` is stored K-major: ``x.transpose(1, 2)`` is contiguous."""
-    return x.transpose(1, 2).is_contiguous()
-
-
 def _heads_apart(x: torch.Tensor, k_major: bool) -> bool:
     """``x`` ``[H, K, N]`` holds each head as one contiguous ``[K, N]`` block (or, ``k_major``,
     one contiguous ``[N, K]`` block), the heads any distance apart that keeps them from
-    overlapping: e.g. a view of one side of a checkpoint's ``[H, P + V, L]`` weight."""
+    overlapping: a contiguous tensor (or, ``k_major``, one whose ``transpose(1, 2)`` is), or
+    e.g. a view of one side of a checkpoint's ``[H, P + V, L]`` weight."""
     H, K, N = x.shape
     inner = x[:1].transpose(1, 2) if k_major else x[:1]
     if not inner.is_contiguous():
@@ -205,8 +201,7 @@ class QuantizedWeight:
                 )
         fp8 = self.format == "fp8"
         if not (
-            data.is_contiguous()
-            or (fp8 and (_k_major(data) or _heads_apart(data, False) or _heads_apart(data, True)))
+            (_heads_apart(data, False) or _heads_apart(data, True)) if fp8 else data.is_contiguous()
         ):
             raise FuseMLAValueError(
                 "data: expected a contiguous tensor"
@@ -254,12 +249,7 @@ class QuantizedWeight:
         """FP8 ``data`` stored K-major (each head's ``data[h].T`` contiguous, ``data`` not
         contiguous)."""
         d = self.data
-        return (
-            self.format == "fp8"
-            and not d.is_contiguous()
-            and not _heads_apart(d, False)
-            and (_k_major(d) or _heads_apart(d, True))
-        )
+        return self.format == "fp8" and not _heads_apart(d, False) and _heads_apart(d, True)
 
     @property
     def device(self) -> torch.device:
