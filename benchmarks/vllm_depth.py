@@ -827,7 +827,7 @@ VARIANT_PARTS = {
     "epi": {"FUSEMLA_VLLM_EPILOGUE": "1"},  # the W_UV epilogue too (FP8 handoff where it can)
     "epibf16": {"FUSEMLA_VLLM_EPILOGUE": "1", "FUSEMLA_VLLM_EPILOGUE_OUT": "bf16"},
     # with "epi": the epilogue on every decode step, not only on the measured range
-    # (configs.fuse_token_range): the engine profile that re-derives the range
+    # (configs.fuse_token_spans): the engine profile that re-derives the spans
     "all": {"FUSEMLA_VLLM_EPILOGUE_TOKENS": "all"},
     "fp8": {"FUSEMLA_VLLM_W_UK": "fp8"},
     "fp8xfp8": {"FUSEMLA_VLLM_W_UK": "fp8xfp8"},

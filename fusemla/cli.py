@@ -189,11 +189,11 @@ def epilogue_plan_lines(info, dev) -> list[str]:
                 except Exception as exc:  # noqa: BLE001 - info reports, it never fails
                     out.append(f"    {name} W_UV, {kind}, {n} tokens: error: {exc}")
     # where the vLLM plugin runs the epilogue (measured faster in vLLM: configs._FUSE_TOKENS)
-    from fusemla.ops.epilogue.configs import describe_range, fuse_token_range
+    from fusemla.ops.epilogue.configs import describe_spans, fuse_token_spans
 
     parts = [
         f"{h} heads {kind}{', stored W_UV' if w else ''} "
-        f"{describe_range(*fuse_token_range(h, kind == 'fp8 out', 'cuda', w))}"
+        f"{describe_spans(fuse_token_spans(h, kind == 'fp8 out', 'cuda', w))}"
         for h in (16, 128)
         for kind in ("bf16 out", "fp8 out")
         for w in (False, True)

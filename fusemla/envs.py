@@ -208,7 +208,7 @@ VARIABLES: dict[str, EnvVar] = {
             "measured",
             "On which decode steps the plugin's epilogue runs: measured (only where it was "
             "measured faster than vLLM's W_UV bmm + o_proj's quantization in vLLM on the GPU, "
-            "per head count, output kind and step size: `fusemla info` prints the ranges; "
+            "per head count, output kind and step size: `fusemla info` prints the spans; "
             "elsewhere vLLM's own code runs) or all (every decode step: the correctness tests, "
             "and users timing their own GPU).",
             values=_choice("measured", "all"),

@@ -126,7 +126,7 @@ def stats() -> dict[str, int]:
     FP8 codes + group scales (``FUSEMLA_VLLM_EPILOGUE_OUT=auto``, a block-FP8 o_proj) / bf16;
     ``epilogue_fp8_tokens``: decode tokens the epilogue wrote as FP8;
     ``epilogue_vllm_tokens``: decode tokens of epilogue layers left to vLLM's bmm because the
-    step's size is outside the range measured faster (``configs.fuse_token_range``;
+    step's size is outside the spans measured faster (``configs.fuse_token_spans``;
     ``FUSEMLA_VLLM_EPILOGUE_TOKENS=all``: none); ``o_proj_quant_rows``:
     rows of an FP8-handoff layer quantized by o_proj's own quantization (prefill, vLLM's
     path), ``o_proj_quant_copied_rows`` those of them quantized apart and copied into the
@@ -325,7 +325,7 @@ class _LayerState:
         self._epi_key = None
         self._epi_spec = None
         # the decode step sizes the epilogue runs on (epilogue_tokens), decided at the first step
-        self._epi_range: tuple[int, int] | None = None
+        self._epi_spans: tuple[tuple[int, int], ...] | None = None
         self._epi_all = envs.get(EPILOGUE_TOKENS_ENV) == "all"
         # o_proj's FP8 input (FUSEMLA_VLLM_EPILOGUE_OUT=auto, a block-FP8 o_proj): the op writes
         # codes + group scales in o_proj's layout and the wrapper calls its GEMM on them
@@ -466,15 +466,15 @@ class _LayerState:
                 _stats["spec_builds_in_capture"] += 1
         return self._epi_spec
 
-    def epilogue_tokens(self, q: torch.Tensor) -> tuple[int, int]:
-        """``(lo, hi)``: decode steps of ``lo <= tokens <= hi`` run the epilogue, the others
-        keep vLLM's W_UV bmm, where it was measured faster in vLLM
-        (:func:`fusemla.ops.epilogue.configs.fuse_token_range`;
+    def epilogue_tokens(self, q: torch.Tensor) -> tuple[tuple[int, int], ...]:
+        """The inclusive ``(lo, hi)`` spans of decode token counts whose steps run the
+        epilogue, the others keeping vLLM's W_UV bmm, where it was measured faster in vLLM
+        (:func:`fusemla.ops.epilogue.configs.fuse_token_spans`;
         ``FUSEMLA_VLLM_EPILOGUE_TOKENS=all``: every step); decided per step, so per captured
         CUDA graph size."""
-        if self._epi_range is None:
+        if self._epi_spans is None:
             from fusemla.ops.common import backend_of
-            from fusemla.ops.epilogue.configs import ALL_TOKENS, describe_range, fuse_token_range
+            from fusemla.ops.epilogue.configs import ALL_TOKENS, describe_spans, fuse_token_spans
 
             try:
                 backend = backend_of(q.device)
@@ -482,22 +482,22 @@ class _LayerState:
                 backend = "interpreter"
             w_fp8 = self.stored() is not None  # the checkpoint's block-FP8 W_UV, as stored
             if self._epi_all:
-                self._epi_range = ALL_TOKENS
+                self._epi_spans = ALL_TOKENS
             else:
-                self._epi_range = fuse_token_range(
+                self._epi_spans = fuse_token_spans(
                     q.shape[1], self.o_fp8 is not None, backend, w_fp8
                 )
             _log_once(
                 logging.INFO,
                 "fusemla: the epilogue runs on decode steps of %s tokens (%d heads, %s out, %s "
                 "W_UV; FUSEMLA_VLLM_EPILOGUE_TOKENS=%s), vLLM's W_UV bmm on the others",
-                describe_range(*self._epi_range),
+                describe_spans(self._epi_spans),
                 q.shape[1],
                 "FP8" if self.o_fp8 is not None else "bf16",
                 "block-FP8 (stored)" if w_fp8 else "vLLM's",
                 "all" if self._epi_all else "measured",
             )
-        return self._epi_range
+        return self._epi_spans
 
     def epilogue_reason(self, q: torch.Tensor) -> str | None:
         """Why this layer's decode tokens keep vLLM's _v_up_proj (None: the epilogue runs)."""
@@ -740,8 +740,9 @@ class _LayerState:
             ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
         self.quantize_rows(output, codes, scales, D, n)
         if D > 0:
-            lo, hi = self.epilogue_tokens(q) if self.epilogue else (1, 0)
-            if split.decode_fused and lo <= D <= hi:
+            from fusemla.ops.epilogue.configs import fuses_at
+
+            if split.decode_fused and self.epilogue and fuses_at(D, self.epilogue_tokens(q)):
                 from fusemla.ops.epilogue.api import mla_epilogue_step
 
                 o = ad.decode_mqa(a, q_dec, cache, md).view(D, -1, L)
@@ -789,7 +790,7 @@ def _epilogue_nowhere(heads: int, fp8_out: bool, backend: str | None = None) -> 
     return (
         f"no decode step size measured faster at {heads} heads with "
         f"{'an FP8' if fp8_out else 'a bf16'} output on {backend} "
-        f"(configs.fuse_token_range; {EPILOGUE_TOKENS_ENV}=all runs it anyway)"
+        f"(configs.fuse_token_spans; {EPILOGUE_TOKENS_ENV}=all runs it anyway)"
     )
 
 

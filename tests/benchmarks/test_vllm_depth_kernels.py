@@ -63,3 +63,23 @@ def test_kernels_table_pairs_the_engines_of_two_jobs_in_order():
     assert len(rows) == 2
     assert "| 1 | mla_epilogue_kernel |" in rows[0] and "- / 3.18 |" in rows[0]
     assert "| 2 | mla_epilogue_kernel |" in rows[1] and "- / 3.24 |" in rows[1]
+
+
+def test_kernels_table_reads_the_committed_4698b24_profile():
+    """The engine profile behind configs._FUSE_TOKENS' one-token span with vLLM's bf16 W_UV
+    (16 heads, FP8 out): at B = 1 the epilogue took 3.74 us a layer where the prologue-only
+    engine ran vLLM's W_UV bmm (3.40 us) and 31 more input quantizations; at B = 8 it took
+    5.94 us against 3.53 us + the quantizations, not ahead (the table leaves 8 to vLLM)."""
+    runs = vd.load_runs([RESULTS / "h100_vllm033_depth_tp8pp2_4698b24.json"])
+    text = vd.kernels_table(runs, "on", "epi-all")
+
+    def row(B, kernel):
+        head = f"| tp8pp2 | {B} | 1000 | auto | seeded | 1 |"
+        return next(x for x in text.splitlines() if x.startswith(head) and kernel in x)
+
+    assert "| 0, 0.0 | 31, 116.0 | +116.0 | - / 3.74 |" in row(1, "mla_epilogue_kernel")
+    assert "| 31, 105.3 | 0, 0.0 | -105.3 | 3.40 / - |" in row(1, "nvjet")
+    assert "| 115, 309.1 | 84, 240.3 | -68.8 |" in row(1, "per_token_group_quant")
+    assert "| 0, 0.0 | 31, 184.2 | +184.2 | - / 5.94 |" in row(8, "mla_epilogue_kernel")
+    assert "| 31, 109.4 | 0, 0.0 | -109.4 | 3.53 / - |" in row(8, "nvjet")
+    assert "| -68.1 |" in row(8, "per_token_group_quant")

@@ -573,7 +573,7 @@ def test_info_prints_the_plan():
         assert " MMA" in r and "GEMV" not in r, r
     assert all("fp8 out" in r and "BLOCK_V=128" in r for r in rows_ if "fp8 out" in r)
     # then where the vLLM plugin keeps vLLM's bmm: the crossover table itself
-    r = epi_configs.describe_range(*epi_configs.fuse_token_range(16, True, "cuda"))
+    r = epi_configs.describe_spans(epi_configs.fuse_token_spans(16, True, "cuda"))
     want = f"16 heads fp8 out {r}"
     assert "epilogue in vLLM, fused on steps of" in epi[-1] and want in epi[-1], epi[-1]
     # on an H200 (planned here, on the CPU) the few-token rows name the GEMV forms the table

@@ -798,10 +798,10 @@ def torch_randn(*shape):
 
 @pytest.mark.parametrize("tokens_env", ["measured", "all"])
 def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
-    """FUSEMLA_VLLM_EPILOGUE=1: decode steps whose size lies in the range measured faster in
-    vLLM (configs.fuse_token_range) run fusemla's epilogue, the others vLLM's W_UV bmm, decided
-    per step (so per captured graph size) and counted; FUSEMLA_VLLM_EPILOGUE_TOKENS=all runs
-    it on every step."""
+    """FUSEMLA_VLLM_EPILOGUE=1: decode steps whose size lies in a span measured faster in vLLM
+    (configs.fuse_token_spans; spans with a gap, as vLLM's bf16 W_UV has at 16 heads) run
+    fusemla's epilogue, the others vLLM's W_UV bmm, decided per step (so per captured graph
+    size) and counted; FUSEMLA_VLLM_EPILOGUE_TOKENS=all runs it on every step."""
     import torch
 
     from fusemla.integrations import vllm as plugin
@@ -810,7 +810,9 @@ def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
 
     monkeypatch.setattr(plugin, "_stats", plugin.Counter())
     monkeypatch.setenv("FUSEMLA_VLLM_EPILOGUE_TOKENS", tokens_env)
-    monkeypatch.setattr(epi_configs, "fuse_token_range", lambda H, fp8, be, w=False: (2, 3))
+    monkeypatch.setattr(
+        epi_configs, "fuse_token_spans", lambda H, fp8, be, w=False: ((1, 1), (3, 3))
+    )
     ran = []
     monkeypatch.setattr(epi_api, "mla_epilogue_step", lambda spec, o, out: ran.append(o.shape[0]))
     H, P, R, L, V = 2, 8, 4, 16, 8
@@ -833,10 +835,10 @@ def test_epilogue_runs_on_the_measured_step_sizes_only(monkeypatch, tokens_env):
             torch.randint(0, 64, (D,)),
             torch.empty(D, H * V, dtype=torch.bfloat16),
         )
-        fused = tokens_env == "all" or 2 <= D <= 3
+        fused = tokens_env == "all" or D in (1, 3)
         assert (ran[-1:] == [D]) == fused and ("vllm_bmm" in adapter.seen) != fused, D
     s = plugin.stats()
-    want = [1, 2, 3, 4] if tokens_env == "all" else [2, 3]
+    want = [1, 2, 3, 4] if tokens_env == "all" else [1, 3]
     assert ran == want
     assert s["epilogue_tokens"] == sum(want) and s.get("epilogue_vllm_tokens", 0) == 10 - sum(want)
 
@@ -855,8 +857,10 @@ def test_epilogue_range_is_that_of_the_w_uv_the_layer_reads(monkeypatch, stored)
     asked = []
     monkeypatch.setattr(
         epi_configs,
-        "fuse_token_range",
-        lambda H, fp8, be, w=False: asked.append((H, fp8, w)) or ((1, 32) if w else (32, 64)),
+        "fuse_token_spans",
+        lambda H, fp8, be, w=False: (
+            asked.append((H, fp8, w)) or (((1, 32),) if w else ((1, 1), (32, 64)))
+        ),
     )
     H, P, R, L, V = 2, 8, 4, 16, 8
     rotary = types.SimpleNamespace(cos_sin_cache=torch.randn(64, R), is_neox_style=False)
@@ -866,7 +870,7 @@ def test_epilogue_range_is_that_of_the_w_uv_the_layer_reads(monkeypatch, stored)
     st = plugin._LayerState(adapter, layer, True, True, epilogue=True)
     monkeypatch.setattr(st, "stored", lambda: ("w_uk_t", "w_uv") if stored else None)
     q = torch.randn(1, H, P + R, dtype=torch.bfloat16)
-    want = (1, 32) if stored else (32, 64)
+    want = ((1, 32),) if stored else ((1, 1), (32, 64))
     assert st.epilogue_tokens(q) == want and st.epilogue_tokens(q) == want
     assert asked == [(H, st.o_fp8 is not None, stored)]
 
@@ -874,7 +878,7 @@ def test_epilogue_range_is_that_of_the_w_uv_the_layer_reads(monkeypatch, stored)
 @pytest.mark.parametrize(
     "heads,fp8_out,tokens,kept",
     [
-        (16, True, "measured", True),  # 1-32 tokens (stored W_UV), 32-64 (vLLM's)
+        (16, True, "measured", True),  # 1-32 tokens (stored W_UV), 1 and 32-64 (vLLM's)
         (128, True, "measured", False),  # no step size measured faster
         (128, True, "all", True),
         (16, False, "measured", False),  # a bf16 output: nowhere measured faster
@@ -884,7 +888,7 @@ def test_epilogue_left_to_vllm_where_no_step_size_is_faster(
     monkeypatch, heads, fp8_out, tokens, kept
 ):
     """A layer built with FUSEMLA_VLLM_EPILOGUE=1 whose heads and output have no measured range
-    (configs.fuse_token_range, on CUDA) keeps vLLM's W_UV bmm on every step and hands o_proj
+    (configs.fuse_token_spans, on CUDA) keeps vLLM's W_UV bmm on every step and hands o_proj
     bf16, as with the epilogue off: no FP8 handoff whose rows would all go through o_proj's
     quantization and a copy. Counted and logged when built; FUSEMLA_VLLM_EPILOGUE_TOKENS=all
     keeps it everywhere."""

@@ -1466,41 +1466,49 @@ def test_bf16_output_of_few_items_takes_narrow_tiles():
         assert (cfg(32)["BLOCK_T"], cfg(32)["BLOCK_V"]) == (32, 128)
 
 
-def test_fuse_token_range_follows_the_measured_crossovers():
+def test_fuse_token_spans_follow_the_measured_crossovers():
     """Where an engine's own W_UV bmm (+ its FP8 quant) is faster, the plugin keeps it: the
     table is per output kind, W_UV format and head count, conservative between head counts,
     and the interpreter (tests) always fuses. Measured in vLLM at 16 heads with an FP8 output:
     with the checkpoint's block-FP8 W_UV faster at 1, 16 and 32 tokens (ead800d, H100); with
-    vLLM's bf16 W_UV slower at 1, faster at 32 (9804a32, H200)."""
-    f = configs.fuse_token_range
-    lo, hi = f(16, True, "cuda")
-    assert lo <= 32 <= hi and not lo <= 1 <= hi
-    lo, hi = f(16, True, "cuda", True)
-    assert lo <= 1 and 32 <= hi < 64  # 64 not measured in the engine (the benchmark: slower)
+    vLLM's bf16 W_UV faster at 1 (4698b24, H100), not at 8 (4698b24), faster at 32 (9804a32,
+    H200): spans with a gap."""
+    f = configs.fuse_token_spans
+    at = configs.fuses_at
+    bf16_w = f(16, True, "cuda")
+    assert at(1, bf16_w) and at(32, bf16_w) and at(64, bf16_w)
+    assert not any(at(n, bf16_w) for n in (0, 2, 8, 16, 31, 65, 128))
+    stored = f(16, True, "cuda", True)
+    assert at(1, stored) and at(16, stored) and at(32, stored)
+    assert not at(64, stored)  # not measured in the engine (the benchmark: slower)
     for H, fp8, w in (
         (128, True, False),
         (128, True, True),
         (16, False, False),
         (128, False, True),
     ):
-        lo, hi = f(H, fp8, "cuda", w)
-        assert lo > hi, (H, fp8, w)  # nowhere measured faster
+        assert f(H, fp8, "cuda", w) == (), (H, fp8, w)  # nowhere measured faster
     for fp8 in (True, False):
         for w in (True, False):
             assert f(8, fp8, "cuda", w) == f(16, fp8, "cuda", w)
             assert f(32, fp8, "cuda", w) == f(64, fp8, "cuda", w) == f(128, fp8, "cuda", w)
             assert f(256, fp8, "cuda", w) == f(128, fp8, "cuda", w)
             assert f(16, fp8, "rocm", w) == f(16, fp8, "cuda", w)  # CUDA's until measured
-            lo, hi = f(128, fp8, "interpreter", w)
-            assert lo == 1 and hi > 1 << 40
+            every = f(128, fp8, "interpreter", w)
+            assert at(1, every) and at(1 << 40, every) and not at(0, every)
+    # every entry: spans in order, apart, none empty (a step size is in at most one span)
+    for key, spans in configs._FUSE_TOKENS.items():
+        assert all(1 <= lo <= hi for lo, hi in spans), key
+        assert all(a[1] + 1 < b[0] for a, b in zip(spans, spans[1:])), key
     # some step size of either W_UV: the plugin's layers keep the epilogue (an FP8 handoff)
     assert configs.fuses_anywhere(16, True, "cuda") and configs.fuses_anywhere(16, True, "rocm")
     assert not configs.fuses_anywhere(128, True, "cuda")
     assert not configs.fuses_anywhere(16, False, "cuda")
     assert configs.fuses_anywhere(128, False, "interpreter")
-    assert configs.describe_range(32, 64) == "32-64"
-    assert configs.describe_range(1, 0) == "none"
-    assert configs.describe_range(*f(16, True, "interpreter")) == "all"
+    assert configs.describe_spans(((1, 1), (32, 64))) == "1+32-64"
+    assert configs.describe_spans(((1, 32),)) == "1-32"
+    assert configs.describe_spans(()) == "none"
+    assert configs.describe_spans(f(16, True, "interpreter")) == "all"
 
 
 def test_few_tokens_take_the_gemv_tiles_where_measured():

@@ -71,7 +71,7 @@ WUK_MODES = ("fp8", "fp8xfp8")
 EPI_MODELS = ("v3-h16", "v3-h128")
 EPI_ENV = "FUSEMLA_VLLM_EPILOGUE"
 # every decode step through the epilogue (its correctness, whatever step sizes the measured
-# table picks for speed: fusemla.ops.epilogue.configs.fuse_token_range)
+# table picks for speed: fusemla.ops.epilogue.configs.fuse_token_spans)
 EPI_ON = {EPI_ENV: "1", "FUSEMLA_VLLM_EPILOGUE_TOKENS": "all"}
 # the same attention in a block-FP8 checkpoint (DeepSeek-V3's 128 x 128 blocks, as stored):
 # the epilogue hands o_proj FP8 codes + group scales, and FUSEMLA_VLLM_W_UK=stored reads the

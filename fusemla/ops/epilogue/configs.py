@@ -144,13 +144,14 @@ _GEMV_FEW = {
 }
 _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 
-#: the decode token counts ``(lo, hi)`` at which the fused epilogue is the faster choice in
-#: vLLM, per output kind, W_UV format and head count: (fp8 output, block-FP8 W_UV, heads up to)
-#: -> range; outside it (and where ``lo > hi``: nowhere) an engine keeps its own W_UV bmm (+
-#: o_proj's input quantization for an FP8 output). Heads between two entries take the larger
-#: head count's entry. From the engine's own profile (``benchmarks/vllm_depth.py kernels``:
-#: the epilogue's time per layer against the W_UV bmm + the quantization it replaces), not from
-#: the kernel benchmark, whose baseline differs from what vLLM runs:
+#: the decode token counts at which the fused epilogue is the faster choice in vLLM, per
+#: output kind, W_UV format and head count: (fp8 output, block-FP8 W_UV, heads up to) -> spans,
+#: each an inclusive ``(lo, hi)`` (``()``: nowhere); on other step sizes an engine keeps its own
+#: W_UV bmm (+ o_proj's input quantization for an FP8 output). Heads between two entries take
+#: the larger head count's entry. From the engine's own profile (``benchmarks/vllm_depth.py
+#: kernels``: the epilogue's time per layer against the W_UV bmm + the quantization it
+#: replaces), not from the kernel benchmark, whose baseline differs from what vLLM runs (at
+#: 8 tokens the two disagree in sign, below):
 #:
 #: - 16 heads, FP8 out, block-FP8 W_UV (``FUSEMLA_VLLM_W_UK=stored``): the fused kernel is
 #:   faster at 1, 16 and 32 tokens: 3.18-3.24 us against bmm 3.42-3.57 + quant 2.07-2.09 at
@@ -160,34 +161,41 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   with this range, 3.22 against 3.33 + 2.10 at B = 1 and 4.99 against 3.93 + 2.38 at B = 32
 #:   (benchmarks/results/h200_vllm033_depth_tp8_212ba2a.json). Above 32 not measured in the
 #:   engine: the H200 kernel benchmark put B = 64 slower (6.41 vs 6.11 us, 26b0b51).
-#: - 16 heads, FP8 out, vLLM's bf16 W_UV: 32-64 from 9804a32's H200 engine (its kernel then
-#:   6.69 us at B = 1 against 3.31 + 2.10; 6.10 against 3.93 + 2.40 at B = 32), before the FP8
-#:   output's latent split (de9c208) and its one reciprocal per program (26b0b51); not re-run
-#:   in the engine since (the kernel benchmark at 26b0b51: 5.06 vs 5.40 us at B = 1, 6.62 vs
-#:   5.84 at B = 32).
+#: - 16 heads, FP8 out, vLLM's bf16 W_UV: one token from 4698b24's engines (H100, tp8pp2):
+#:   3.74 us a layer against bmm 3.40 + quant 2.22, the decode step 3.808 (3.789-3.814) ms
+#:   against the prologue alone's 3.868 (3.843-3.939); at 8 tokens not: 5.94 against 3.53 +
+#:   2.20, the step within the repeats' spread (6.809 against 6.804 ms), where the H200 kernel
+#:   benchmark had the fused kernel ahead (5.12 vs 5.51 us, 8091179)
+#:   (benchmarks/results/h100_vllm033_depth_tp8pp2_4698b24.json). 32-64 from 9804a32's H200
+#:   engine (its kernel then 6.69 us at B = 1 against 3.31 + 2.10; 6.10 against 3.93 + 2.40 at
+#:   B = 32), before the FP8 output's latent split (de9c208) and its one reciprocal per program
+#:   (26b0b51); not re-run in the engine since (the kernel benchmark at 26b0b51: 6.62 vs 5.84
+#:   us at B = 32: to re-measure in the engine before it is trusted or dropped).
 #: - 128 heads, and a bf16 output at either: not measured faster in vLLM: nowhere.
-_FUSE_TOKENS = {
-    (True, True, 16): (1, 32),
-    (True, False, 16): (32, 64),
-    (True, True, 128): (1, 0),
-    (True, False, 128): (1, 0),
-    (False, True, 16): (1, 0),
-    (False, False, 16): (1, 0),
-    (False, True, 128): (1, 0),
-    (False, False, 128): (1, 0),
+_FUSE_TOKENS: dict[tuple[bool, bool, int], tuple[tuple[int, int], ...]] = {
+    (True, True, 16): ((1, 32),),
+    (True, False, 16): ((1, 1), (32, 64)),
+    (True, True, 128): (),
+    (True, False, 128): (),
+    (False, True, 16): (),
+    (False, False, 16): (),
+    (False, True, 128): (),
+    (False, False, 128): (),
 }
 _overrides: dict = {}
-#: the token range of every decode step (the interpreter's, FUSEMLA_VLLM_EPILOGUE_TOKENS=all)
-ALL_TOKENS = (1, 1 << 62)
+#: every decode step's token count (the interpreter's, FUSEMLA_VLLM_EPILOGUE_TOKENS=all)
+ALL_TOKENS: tuple[tuple[int, int], ...] = ((1, 1 << 62),)
 
 
-def fuse_token_range(H: int, fp8_out: bool, backend: str, w_fp8: bool = False) -> tuple[int, int]:
-    """``(lo, hi)``: the decode steps of ``lo <= tokens <= hi`` on which the fused epilogue is
+def fuse_token_spans(
+    H: int, fp8_out: bool, backend: str, w_fp8: bool = False
+) -> tuple[tuple[int, int], ...]:
+    """The inclusive ``(lo, hi)`` spans of decode token counts on which the fused epilogue is
     the faster choice against an engine's own W_UV bmm (+ its FP8 input quantization for
     ``fp8_out``) at ``H`` heads on ``backend``, with a block-FP8 W_UV (``w_fp8``: the
     checkpoint's, as stored) or the activations' dtype (:data:`_FUSE_TOKENS`, measured on CUDA;
-    ROCm takes CUDA's until measured; the interpreter always fuses: tests). Empty when
-    ``lo > hi``."""
+    ROCm takes CUDA's until measured; the interpreter always fuses: tests). ``()``: no step
+    size; test one with :func:`fuses_at`."""
     if backend == "interpreter":
         return ALL_TOKENS
     heads = sorted(h for f, w, h in _FUSE_TOKENS if f == fp8_out and w == w_fp8)
@@ -195,19 +203,26 @@ def fuse_token_range(H: int, fp8_out: bool, backend: str, w_fp8: bool = False) -
     return _FUSE_TOKENS[(fp8_out, w_fp8, h)]
 
 
+def fuses_at(tokens: int, spans: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a step of ``tokens`` decode tokens lies in one of ``spans``."""
+    return any(lo <= tokens <= hi for lo, hi in spans)
+
+
 def fuses_anywhere(H: int, fp8_out: bool, backend: str) -> bool:
-    """Whether :func:`fuse_token_range` fuses any decode step size at ``H`` heads with either
+    """Whether :func:`fuse_token_spans` fuses any decode step size at ``H`` heads with either
     W_UV (the activations' dtype or block-FP8 as stored): False where no engine measurement put
     the epilogue ahead (an engine then keeps its own W_UV bmm, and any FP8 handoff to o_proj
     would only add work)."""
-    return any(
-        lo <= hi for lo, hi in (fuse_token_range(H, fp8_out, backend, w) for w in (False, True))
-    )
+    return any(fuse_token_spans(H, fp8_out, backend, w) for w in (False, True))
 
 
-def describe_range(lo: int, hi: int) -> str:
-    """``"32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
-    return "none" if lo > hi else "all" if (lo, hi) == ALL_TOKENS else f"{lo}-{hi}"
+def describe_spans(spans: tuple[tuple[int, int], ...]) -> str:
+    """``"1+32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
+    if not spans:
+        return "none"
+    if tuple(spans) == ALL_TOKENS:
+        return "all"
+    return "+".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
 
 
 def batch_bucket(N: int) -> str:
