@@ -146,6 +146,12 @@ SHARDS["tp8pp2"] = {**SHARDS["tp8"], "num_hidden_layers": 31}
 # the EP8 shard's first pipeline stage of two, likewise: 128 heads, layers 0-30 (~51 GB with
 # its 129,280-row embedding and lm_head, by parameter count), so 128 heads fit an H100
 SHARDS["ep8pp2"] = {**SHARDS["ep8"], "num_hidden_layers": 31}
+#: seconds an engine after a lease's first takes to start, per shard (pair's --later-start-s
+#: default): full depth on the H200 158-214 s; the half-depth stages on an H100 34-63 s (tp8pp2,
+#: ead800d and 4698b24) and 110 s (ep8pp2, c4768ca), where 240 s kept a pair that fitted from
+#: starting (4698b24's lease)
+LATER_START_S = {"tp8pp2": 90.0, "ep8pp2": 150.0}
+LATER_START_DEFAULT_S = 240.0
 
 
 def model_config(shard: str) -> dict:
@@ -910,6 +916,8 @@ def pair_main(args) -> None:
     order = args.order.split(",")
     for variant in order:  # a typo raises before any engine starts
         variant_env(variant)
+    if args.later_start_s is None:  # the shard's own (LATER_START_S)
+        args.later_start_s = LATER_START_S.get(args.shard, LATER_START_DEFAULT_S)
     t_pair = time.time()
     end = t_pair + args.deadline_s if args.deadline_s else 0.0
     end_at = getattr(args, "end_at", 0.0)  # --end-at: the lease's end, whatever came before
@@ -1686,9 +1694,11 @@ def main() -> None:
         e.add_argument(
             "--later-start-s",
             type=float,
-            default=240.0,
+            default=None if name == "pair" else LATER_START_DEFAULT_S,
             help="seconds an engine after a lease's first takes to start (with --deadline-s; "
-            "158-214 s at full depth on the H200, where the first took 357-372)",
+            "a pair's default is the shard's, LATER_START_S: 240 at full depth, where the "
+            "H200 took 158-214 and the first 357-372; 90 for tp8pp2, 150 for ep8pp2, measured "
+            "on an H100)",
         )
     lat = sub.add_parser("latency", help="vLLM's own `vllm bench latency`, off and on")
     lat.add_argument("--shard", choices=sorted(SHARDS), default="tp8")

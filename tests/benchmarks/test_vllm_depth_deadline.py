@@ -180,6 +180,28 @@ def test_a_pair_whose_starts_would_not_fit_starts_no_engine(tmp_path, engines):
     assert len(engines) == 2
 
 
+@pytest.mark.parametrize("shard,start_s", [("tp8pp2", 90.0), ("ep8pp2", 150.0), ("tp8", 240.0)])
+def test_a_pair_takes_its_shards_later_start_by_default(tmp_path, engines, shard, start_s):
+    """No --later-start-s: the shard's own (vd.LATER_START_S; the H100's half-depth stages
+    start in a fraction of the full-depth 240 s). 4698b24's lease: three tp8pp2 engines with
+    324 s left were refused at 3 x 240 s; at the shard's 90 s they start, and the engines are
+    told the same figure."""
+    args = _pair_args(tmp_path, 0.0, order="on,epi-all,epi")
+    args.shard, args.later_start_s = shard, None
+    args.end_at = time.time() + 3 * start_s - 30.0  # three starts do not fit
+    vd.pair_main(args)
+    assert engines == []
+    args.later_start_s = None
+    args.end_at = time.time() + 3 * start_s + 30.0
+    vd.pair_main(args)
+    assert len(engines) == 3 and {e["later_start_s"] for e in engines} == {start_s}
+    # one given: that one, whatever the shard
+    engines.clear()
+    args.later_start_s, args.end_at = 60.0, time.time() + 3 * 60.0 + 30.0
+    vd.pair_main(args)
+    assert len(engines) == 3 and {e["later_start_s"] for e in engines} == {60.0}
+
+
 def test_a_first_engine_that_ran_nothing_ends_the_pair(tmp_path, engines, monkeypatch):
     args = _pair_args(tmp_path, 1000.0)
     args.cells = ["128x16"]
