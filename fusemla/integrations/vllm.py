@@ -499,6 +499,15 @@ class _LayerState:
             )
         return self._epi_spans
 
+    def epilogue_runs(self, q: torch.Tensor, D: int) -> bool:
+        """Whether this layer's step of ``D`` decode tokens runs the epilogue: built with it,
+        and ``D`` in one of :meth:`epilogue_tokens`' spans."""
+        if not self.epilogue:
+            return False
+        from fusemla.ops.epilogue.configs import fuses_at
+
+        return fuses_at(D, self.epilogue_tokens(q))
+
     def epilogue_reason(self, q: torch.Tensor) -> str | None:
         """Why this layer's decode tokens keep vLLM's _v_up_proj (None: the epilogue runs)."""
         w = self.ad.w_uv(self.attn)
@@ -740,9 +749,7 @@ class _LayerState:
             ad.prefill_attention(a, q_pre, kv_c[D:], k_pre, cache, md, output[D:n])
         self.quantize_rows(output, codes, scales, D, n)
         if D > 0:
-            from fusemla.ops.epilogue.configs import fuses_at
-
-            if split.decode_fused and self.epilogue and fuses_at(D, self.epilogue_tokens(q)):
+            if split.decode_fused and self.epilogue_runs(q, D):
                 from fusemla.ops.epilogue.api import mla_epilogue_step
 
                 o = ad.decode_mqa(a, q_dec, cache, md).view(D, -1, L)
