@@ -916,19 +916,20 @@ def pair_main(args) -> None:
     order = args.order.split(",")
     for variant in order:  # a typo raises before any engine starts
         variant_env(variant)
-    if args.later_start_s is None:  # the shard's own (LATER_START_S)
-        args.later_start_s = LATER_START_S.get(args.shard, LATER_START_DEFAULT_S)
+    later_s = args.later_start_s  # each later engine's start; None: the shard's (LATER_START_S)
+    if later_s is None:
+        later_s = LATER_START_S.get(args.shard, LATER_START_DEFAULT_S)
     t_pair = time.time()
     end = t_pair + args.deadline_s if args.deadline_s else 0.0
     end_at = getattr(args, "end_at", 0.0)  # --end-at: the lease's end, whatever came before
     if end_at:
         end = min(end, end_at) if end else end_at
-    if end and end - t_pair < len(order) * args.later_start_s:
+    if end and end - t_pair < len(order) * later_s:
         # the engines' starts alone would not fit: no engine starts (a pair queued behind a
         # long one must not outrun the lease)
         print(
             f"[depth] pair {args.shard} {args.order} not started: {end - t_pair:.0f} s left, "
-            f"{len(order)} engine starts need ~{len(order) * args.later_start_s:.0f} s",
+            f"{len(order)} engine starts need ~{len(order) * later_s:.0f} s",
             flush=True,
         )
         return
@@ -947,17 +948,17 @@ def pair_main(args) -> None:
             stop_at, later = end, len(order) - 1
         else:
             left = end - time.time() if end else 0.0
-            if end and left < args.later_start_s + first_cell_s:
+            if end and left < later_s + first_cell_s:
                 # it could not be up and run the first engine's first cell before the end: its
                 # start would be lost (eee87b0: an EP8 on engine started with 134 s left)
                 print(
                     f"[depth] {tag_of(i, variant)} not started: {left:.0f} s left, its start and "
-                    f"first cell need ~{args.later_start_s + first_cell_s:.0f} s",
+                    f"first cell need ~{later_s + first_cell_s:.0f} s",
                     flush=True,
                 )
                 break
             after = len(order) - 1 - i
-            stop_at = later_engine_stop(end, after, args.later_start_s, first_cells_s)
+            stop_at = later_engine_stop(end, after, later_s, first_cells_s)
             later = 0
         env = engine_env(
             variant,
@@ -1005,7 +1006,7 @@ def pair_main(args) -> None:
             "--later-engines",
             str(later),
             "--later-start-s",
-            str(args.later_start_s),
+            str(later_s),
         ]
         print(f"[depth] starting {tag}: {' '.join(cmd[2:])}", flush=True)
         t0 = time.time()

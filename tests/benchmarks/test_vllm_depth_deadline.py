@@ -191,7 +191,6 @@ def test_a_pair_takes_its_shards_later_start_by_default(tmp_path, engines, shard
     args.end_at = time.time() + 3 * start_s - 30.0  # three starts do not fit
     vd.pair_main(args)
     assert engines == []
-    args.later_start_s = None
     args.end_at = time.time() + 3 * start_s + 30.0
     vd.pair_main(args)
     assert len(engines) == 3 and {e["later_start_s"] for e in engines} == {start_s}
