@@ -83,3 +83,40 @@ def test_kernels_table_reads_the_committed_4698b24_profile():
     assert "| 0, 0.0 | 31, 184.2 | +184.2 | - / 5.94 |" in row(8, "mla_epilogue_kernel")
     assert "| 31, 109.4 | 0, 0.0 | -109.4 | 3.53 / - |" in row(8, "nvjet")
     assert "| -68.1 |" in row(8, "per_token_group_quant")
+
+
+def test_the_committed_fa9192d_engines_keep_32_to_64_tokens_with_vllm():
+    """The engines behind dropping 32-64 tokens from configs._FUSE_TOKENS' span with vLLM's
+    bf16 W_UV (16 heads, FP8 out): in both engine orders of fa9192d's lease the fused epilogue
+    saved at most 0.4 us a layer at 32 and 64 tokens against vLLM's W_UV bmm + the input
+    quantizations it skips (31 a step), and the decode step was slower in both orders at 32;
+    at one token it saved over 1 us a layer. The table now fuses one token only."""
+    from fusemla.ops.epilogue import configs
+
+    runs = vd.load_runs([RESULTS / "h100_vllm033_depth_tp8pp2_fa9192d.json"])
+    lines = vd.kernels_table(runs, "on", "epi").splitlines()
+
+    def per_step(B, n, kernel, col):  # us per step of the on (8) or epi (9) column
+        head = f"| tp8pp2 | {B} | 1000 | auto | seeded | {n} |"
+        row = next(x for x in lines if x.startswith(head) and kernel in x)
+        return float(row.split("|")[col].split(",")[1])
+
+    def saved(B, n):  # us a layer: bmm + skipped quantizations - epilogue
+        q = "per_token_group_quant"
+        skipped = per_step(B, n, q, 8) - per_step(B, n, q, 9)
+        bmm = per_step(B, n, "nvjet", 8)
+        return (bmm + skipped - per_step(B, n, "mla_epilogue_kernel", 9)) / 31
+
+    assert saved(1, 1) > 1.0
+    for B in (32, 64):
+        for n in (1, 2):  # on first, then epi first
+            assert -0.2 < saved(B, n) < 0.4, (B, n, saved(B, n))
+
+    def step(job, B):
+        run = next(r for r in runs if r.get("job") == job)
+        return next(c for c in run["cells"] if c["batch"] == B)["core_step_median_ms"]
+
+    assert step("sp_0_1epi", 32) > step("sp_0_0on", 32)
+    assert step("sq_0_0epi", 32) > step("sq_0_1on", 32)
+    spans = configs.fuse_token_spans(16, True, "cuda")
+    assert configs.fuses_at(1, spans) and not any(configs.fuses_at(n, spans) for n in (32, 64))

@@ -1471,13 +1471,15 @@ def test_fuse_token_spans_follow_the_measured_crossovers():
     table is per output kind, W_UV format and head count, conservative between head counts,
     and the interpreter (tests) always fuses. Measured in vLLM at 16 heads with an FP8 output:
     with the checkpoint's block-FP8 W_UV faster at 1, 16 and 32 tokens (ead800d, H100); with
-    vLLM's bf16 W_UV faster at 1 (4698b24, H100), not at 8 (4698b24), faster at 32 (9804a32,
-    H200): spans with a gap."""
+    vLLM's bf16 W_UV faster at 1 (4698b24, fa9192d, H100), not at 8 (4698b24), nor at 32 or
+    64 (fa9192d, both engine orders, where 9804a32's H200 engine with an older kernel had it
+    faster)."""
     f = configs.fuse_token_spans
     at = configs.fuses_at
     bf16_w = f(16, True, "cuda")
-    assert at(1, bf16_w) and at(32, bf16_w) and at(64, bf16_w)
-    assert not any(at(n, bf16_w) for n in (0, 2, 8, 16, 31, 65, 128))
+    assert at(1, bf16_w)
+    assert not any(at(n, bf16_w) for n in (0, 2, 8, 16, 31, 32, 64, 65, 128))
+    assert configs.describe_spans(bf16_w) == "1"
     stored = f(16, True, "cuda", True)
     assert at(1, stored) and at(16, stored) and at(32, stored)
     assert not at(64, stored)  # not measured in the engine (the benchmark: slower)

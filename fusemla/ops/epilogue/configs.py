@@ -166,15 +166,18 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   against the prologue alone's 3.868 (3.843-3.939); at 8 tokens not: 5.94 against 3.53 +
 #:   2.20, the step within the repeats' spread (6.809 against 6.804 ms), where the H200 kernel
 #:   benchmark had the fused kernel ahead (5.12 vs 5.51 us, 8091179)
-#:   (benchmarks/results/h100_vllm033_depth_tp8pp2_4698b24.json). 32-64 from 9804a32's H200
-#:   engine (its kernel then 6.69 us at B = 1 against 3.31 + 2.10; 6.10 against 3.93 + 2.40 at
-#:   B = 32), before the FP8 output's latent split (de9c208) and its one reciprocal per program
-#:   (26b0b51); not re-run in the engine since (the kernel benchmark at 26b0b51: 6.62 vs 5.84
-#:   us at B = 32: to re-measure in the engine before it is trusted or dropped).
+#:   (benchmarks/results/h100_vllm033_depth_tp8pp2_4698b24.json); at fa9192d (H100, tp8pp2)
+#:   one token again 3.83 against 3.37 + 1.88. Not at 32 or 64 tokens (fa9192d, both engine
+#:   orders): per layer 6.03 / 6.13 us against bmm 3.92 / 3.89 + quant 2.49 / 2.23 at B = 32,
+#:   5.92 / 5.98 against 3.64 / 3.65 + 2.31 / 2.26 at B = 64 (even at best), and the decode
+#:   step slower in both orders, +0.6 / +0.7 % at B = 32 (repeats apart), +0.3 % at B = 64
+#:   (benchmarks/results/h100_vllm033_depth_tp8pp2_fa9192d.json), as the H200 kernel benchmark
+#:   had it (6.62 vs 5.84 us at B = 32, 26b0b51). 9804a32's H200 engine, which put 32-64 in,
+#:   ran the kernel before the FP8 output's latent split (de9c208).
 #: - 128 heads, and a bf16 output at either: not measured faster in vLLM: nowhere.
 _FUSE_TOKENS: dict[tuple[bool, bool, int], tuple[tuple[int, int], ...]] = {
     (True, True, 16): ((1, 32),),
-    (True, False, 16): ((1, 1), (32, 64)),
+    (True, False, 16): ((1, 1),),
     (True, True, 128): (),
     (True, False, 128): (),
     (False, True, 16): (),
@@ -217,7 +220,7 @@ def fuses_anywhere(H: int, fp8_out: bool, backend: str) -> bool:
 
 
 def describe_spans(spans: tuple[tuple[int, int], ...]) -> str:
-    """``"1+32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
+    """``"1"``, ``"1-32"``, ``"1+32-64"``, ``"none"``, ``"all"`` (for ``fusemla info`` and logs)."""
     if not spans:
         return "none"
     if tuple(spans) == ALL_TOKENS:
