@@ -167,7 +167,9 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   2.20, the step within the repeats' spread (6.809 against 6.804 ms), where the H200 kernel
 #:   benchmark had the fused kernel ahead (5.12 vs 5.51 us, 8091179)
 #:   (benchmarks/results/h100_vllm033_depth_tp8pp2_4698b24.json); at fa9192d (H100, tp8pp2)
-#:   one token again 3.83 against 3.37 + 1.88. Not at 32 or 64 tokens (fa9192d, both engine
+#:   one token again 3.83 against 3.37 + 1.88 (there the decode step 4.049 against 3.927 ms,
+#:   repeats overlapping, GPU busy per step equal: the step-level sign at one token is not
+#:   settled by two leases, docs/results.md). Not at 32 or 64 tokens (fa9192d, both engine
 #:   orders): per layer 6.03 / 6.13 us against bmm 3.92 / 3.89 + quant 2.49 / 2.23 at B = 32,
 #:   5.92 / 5.98 against 3.64 / 3.65 + 2.31 / 2.26 at B = 64 (even at best), and the decode
 #:   step slower in both orders, +0.6 / +0.7 % at B = 32 (repeats apart), +0.3 % at B = 64
