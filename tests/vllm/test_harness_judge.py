@@ -51,3 +51,30 @@ def test_floor_over_the_judged_runs_steps():
     early = harness.deviation(noisy, ref, max_steps=2)
     assert full["steps_compared"] == 6 and early["steps_compared"] == 2
     assert abs(full["out"] - 0.10) < 1e-6 and abs(early["out"] - 0.02) < 1e-6
+
+
+def test_narrowed_gpu_suite_keeps_the_planted_bug_on_its_model():
+    """FUSEMLA_VLLM_GPU_MODELS narrows the judged models; the epi8 group's planted bug stays on
+    the model it was calibrated on, injected, with that model's own reference and noise runs
+    (e5c4f82's narrowed run moved it to the 128-head model, where it stays inside the judge)."""
+    import os
+    import subprocess
+
+    code = (
+        "import test_vllm_gpu as t\n"
+        "s = {x.name: x for x in t.all_specs(tp2=False, groups={'epi8'})}\n"
+        "bug = [x for n, x in s.items() if n.endswith('-epi8-bug-eager')]\n"
+        "b = bug[0].shape\n"
+        "print(t.EPI8_MODELS, len(bug), b, bug[0].inject, f'{b}-off-eager' in s,\n"
+        "      s[f'{b}-noise-eager'].inject.startswith('noise:'))\n"
+    )
+    env = {**os.environ, "FUSEMLA_VLLM_GPU_MODELS": "v3-h128-fp8", "FUSEMLA_VLLM_GPU_DRYRUN": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert out == "('v3-h128-fp8',) 1 v3-h16-fp8 rope_off_by_one True True", out

@@ -77,6 +77,11 @@ EPI_ON = {EPI_ENV: "1", "FUSEMLA_VLLM_EPILOGUE_TOKENS": "all"}
 # the epilogue hands o_proj FP8 codes + group scales, and FUSEMLA_VLLM_W_UK=stored reads the
 # checkpoint's W_UK_T / W_UV codes and block scales as stored, against vLLM's own FP8 path
 EPI8_MODELS = ("v3-h16-fp8", "v3-h128-fp8")
+# the planted bug of the epi8 group runs on the 16-head model whatever FUSEMLA_VLLM_GPU_MODELS
+# narrows the judged models to: there the bug (decode RoPE position + 1) left the FP8 floor
+# (0.496 against 0.158, a7b3bce); on the 128-head model it stays inside the 3x judge (0.329
+# against 0.179, e5c4f82, when a narrowed run moved it there), so it proves nothing there
+EPI8_BUG_MODEL = "v3-h16-fp8"
 EPI8_ON = EPI_ON
 EPI8_STORED = {**EPI_ON, "FUSEMLA_VLLM_W_UK": "stored"}
 # CUTLASS's block-FP8 GEMM for every linear, as in benchmarks/vllm_depth.py (DeepGEMM's
@@ -148,6 +153,12 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
         interpret=False,
         **kw,
     )
+
+
+def _epi8_bug_spec() -> Spec:
+    """The epi8 group's planted bug, one spec wherever it is run (a run is looked up by its
+    name: a spec of the same name without the injection would time the fused path instead)."""
+    return _spec(EPI8_BUG_MODEL, "epi8-bug-eager", True, inject="rope_off_by_one", env=EPI8_ON)
 
 
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
@@ -226,9 +237,11 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                     _spec(m, f"epi8-stored-{mode}", True, mode, env=EPI8_STORED),
                 ]
             specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
-        specs.append(
-            _spec(EPI8_MODELS[0], "epi8-bug-eager", True, inject="rope_off_by_one", env=EPI8_ON)
-        )
+        specs += [
+            _epi8_bug_spec(),
+            _spec(EPI8_BUG_MODEL, "off-eager", False),
+            _spec(EPI8_BUG_MODEL, "noise-eager", False, inject=f"noise:{NOISE}"),
+        ]
     if want("wuk"):
         for m in WUK_MODELS:
             for mode in GRAPH_MODES:
@@ -718,11 +731,13 @@ def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
     noisy = runner.run(_spec(model, "noise-eager", False))
     off_e = runner.run(_spec(model, "off-eager", False))
     floor = deviation(noisy, off_e, dev["steps_compared"] or None)
-    m0 = EPI8_MODELS[0]
+    m0 = EPI8_BUG_MODEL
     off0 = runner.run(_spec(m0, "off-eager", False))
-    bug = deviation(runner.run(_spec(m0, "epi8-bug-eager", True, env=EPI8_ON)), off0)
+    bug = deviation(runner.run(_epi8_bug_spec()), off0)
     floor_bug = deviation(
-        runner.run(_spec(m0, "noise-eager", False)), off0, bug["steps_compared"] or None
+        runner.run(_spec(m0, "noise-eager", False, inject=f"noise:{NOISE}")),
+        off0,
+        bug["steps_compared"] or None,
     )
     s = stats(on)
     _record(
