@@ -186,8 +186,9 @@ VARIABLES: dict[str, EnvVar] = {
             False,
             "The plugin's decode tokens run fusemla's epilogue kernel (W_UV straight into "
             "o_proj's input, bf16 or FP8 codes and group scales) instead of vLLM's _v_up_proj "
-            "bmm, on the step sizes FUSEMLA_VLLM_EPILOGUE_TOKENS allows. Off by default: in "
-            "vLLM at full depth it has not yet made a decode step faster (docs/results.md); "
+            "bmm, on the step sizes FUSEMLA_VLLM_EPILOGUE_TOKENS allows. Off by default: its "
+            "gain over the prologue alone is 0.3-1.8 % of a decode step where measured, and one "
+            "of three engine pairs timed a one-token step slower (docs/results.md); "
             "fusemla.MLAAttention always runs it with its fused decode.",
             read="when vLLM builds a layer",
         ),

@@ -159,7 +159,9 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   0.33, the tp8pp2 shard, full graphs, two engine orders;
 #:   benchmarks/results/h100_vllm033_depth_tp8pp2_ead800d.json); on the H200 at full depth
 #:   with this range, 3.22 against 3.33 + 2.10 at B = 1 and 4.99 against 3.93 + 2.38 at B = 32
-#:   (benchmarks/results/h200_vllm033_depth_tp8_212ba2a.json). Above 32 not measured in the
+#:   (benchmarks/results/h200_vllm033_depth_tp8_212ba2a.json); at e5c4f82 (H100, tp8pp2) 3.22,
+#:   4.24 and 5.10 us against 3.40 + 1.83, 3.55 + 2.13 and 3.93 + 2.28 at B = 1, 8 and 32
+#:   (benchmarks/results/h100_vllm033_depth_tp8pp2_e5c4f82.json). Above 32 not measured in the
 #:   engine: the H200 kernel benchmark put B = 64 slower (6.41 vs 6.11 us, 26b0b51).
 #: - 16 heads, FP8 out, vLLM's bf16 W_UV: one token from 4698b24's engines (H100, tp8pp2):
 #:   3.74 us a layer against bmm 3.40 + quant 2.22, the decode step 3.808 (3.789-3.814) ms
@@ -168,8 +170,11 @@ _INTERPRETER_TILES = (16, 32, 32, 1, 1)
 #:   benchmark had the fused kernel ahead (5.12 vs 5.51 us, 8091179)
 #:   (benchmarks/results/h100_vllm033_depth_tp8pp2_4698b24.json); at fa9192d (H100, tp8pp2)
 #:   one token again 3.83 against 3.37 + 1.88 (there the decode step 4.049 against 3.927 ms,
-#:   repeats overlapping, GPU busy per step equal: the step-level sign at one token is not
-#:   settled by two leases, docs/results.md). Not at 32 or 64 tokens (fa9192d, both engine
+#:   repeats overlapping, GPU busy per step equal); at e5c4f82, the epilogue's engine first
+#:   (the two before ran it second), 4.00 against 3.40 + 1.80 and the step 3.786 (3.782-3.794)
+#:   against 3.844 (3.835-3.861) ms, -1.5 %, repeats apart
+#:   (benchmarks/results/h100_vllm033_depth_tp8pp2_e5c4f82.json): faster in two leases of
+#:   three, in both engine orders, so the span stays. Not at 32 or 64 tokens (fa9192d, both engine
 #:   orders): per layer 6.03 / 6.13 us against bmm 3.92 / 3.89 + quant 2.49 / 2.23 at B = 32,
 #:   5.92 / 5.98 against 3.64 / 3.65 + 2.31 / 2.26 at B = 64 (even at best), and the decode
 #:   step slower in both orders, +0.6 / +0.7 % at B = 32 (repeats apart), +0.3 % at B = 64
