@@ -157,7 +157,7 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
 
 def _epi8_bug_spec() -> Spec:
     """The epi8 group's planted bug, one spec wherever it is run (a run is looked up by its
-    name: a spec of the same name without the injection would time the fused path instead)."""
+    name: a spec of that name without the injection would run the fused path, unbroken)."""
     return _spec(EPI8_BUG_MODEL, "epi8-bug-eager", True, inject="rope_off_by_one", env=EPI8_ON)
 
 
