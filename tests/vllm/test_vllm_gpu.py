@@ -155,6 +155,12 @@ def _spec(model: str, name: str, plugin: bool, mode: str = "eager", **kw) -> Spe
     )
 
 
+def _noise_spec(model: str, prefix: str = "", **kw) -> Spec:
+    """vLLM's own eager run of ``model`` with its values perturbed by a bf16 ulp (a noise
+    floor's first half), one spec wherever it is built: runs are looked up by name."""
+    return _spec(model, f"{prefix}noise-eager", False, inject=f"noise:{NOISE}", **kw)
+
+
 def _epi8_bug_spec() -> Spec:
     """The epi8 group's planted bug, one spec wherever it is run (a run is looked up by its
     name: a spec of that name without the injection would run the fused path, unbroken)."""
@@ -171,13 +177,13 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
 
     specs = [
         _spec(HALF_MODEL, "off-eager", False),
-        _spec(HALF_MODEL, "noise-eager", False, inject=f"noise:{NOISE}"),
+        _noise_spec(HALF_MODEL),
     ]
     if want("main"):
         for m, mode in CASES:
             specs += [_spec(m, f"off-{mode}", False, mode), _spec(m, f"on-{mode}", True, mode)]
         for m in MODELS:
-            specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+            specs.append(_noise_spec(m))
         specs += [
             _spec(HALF_MODEL, "on-eager-dec0", True, env={"FUSEMLA_FUSED_DECODE": "0"}),
             _spec(HALF_MODEL, "on-eager-pre0", True, env={"FUSEMLA_FUSED_PREFILL": "0"}),
@@ -191,7 +197,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                     _spec(m, f"fp8t-off-{mode}", False, mode, **fp8),
                     _spec(m, f"fp8t-on-{mode}", True, mode, **fp8),
                 ]
-            specs.append(_spec(m, "fp8t-noise-eager", False, inject=f"noise:{NOISE}", **fp8))
+            specs.append(_noise_spec(m, "fp8t-", **fp8))
         specs.append(_spec(HALF_MODEL, "fp8t-bug-eager", True, inject="rope_off_by_one", **fp8))
     if want("flashmla") and not DRYRUN:  # GPU backends
         # vLLM's own choice for FP8 on Hopper (FLASHMLA) in its default mode: the plugin falls back
@@ -207,9 +213,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 _spec(HALF_MODEL, f"fp8f-off-{mode}", False, mode, **FLASHMLA_FP8),
                 _spec(HALF_MODEL, f"fp8f-forced-{mode}", True, mode, env=FORCE, **FLASHMLA_FP8),
             ]
-        specs.append(
-            _spec(HALF_MODEL, "fp8f-noise-eager", False, inject=f"noise:{NOISE}", **FLASHMLA_FP8)
-        )
+        specs.append(_noise_spec(HALF_MODEL, "fp8f-", **FLASHMLA_FP8))
         # FLASHMLA with a bf16 cache: eager (fused, bit for bit), full graphs (left to vLLM),
         # forced fused under full graphs, and vLLM's own eager path twice (its determinism)
         specs += [
@@ -227,7 +231,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 if not want("main"):
                     specs.append(_spec(m, f"off-{mode}", False, mode))
             if not want("main"):
-                specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+                specs.append(_noise_spec(m))
     if want("epi8") and EPI8_MODELS:
         for m in EPI8_MODELS:
             for mode in GRAPH_MODES:
@@ -236,11 +240,11 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                     _spec(m, f"epi8-on-{mode}", True, mode, env=EPI8_ON),
                     _spec(m, f"epi8-stored-{mode}", True, mode, env=EPI8_STORED),
                 ]
-            specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+            specs.append(_noise_spec(m))
         specs += [
             _epi8_bug_spec(),
             _spec(EPI8_BUG_MODEL, "off-eager", False),
-            _spec(EPI8_BUG_MODEL, "noise-eager", False, inject=f"noise:{NOISE}"),
+            _noise_spec(EPI8_BUG_MODEL),
         ]
     if want("wuk"):
         for m in WUK_MODELS:
@@ -252,7 +256,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 if not want("main"):  # the bf16 runs it is judged against
                     specs.append(_spec(m, f"off-{mode}", False, mode))
             if not want("main"):
-                specs.append(_spec(m, "noise-eager", False, inject=f"noise:{NOISE}"))
+                specs.append(_noise_spec(m))
         if not want("main") and WUK_MODELS:
             specs.append(_spec(HALF_MODEL, "bug-eager", True, inject="rope_off_by_one"))
     if want("spec"):  # speculative decoding, against vLLM's own path with the same drafter
@@ -263,7 +267,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
                 _spec(MTP_MODEL, f"mtp-off-{mode}", False, mode, **MTP),
                 _spec(MTP_MODEL, f"mtp-on-{mode}", True, mode, **MTP),
             ]
-        specs.append(_spec(MTP_MODEL, "mtp-noise-eager", False, inject=f"noise:{NOISE}", **MTP))
+        specs.append(_noise_spec(MTP_MODEL, "mtp-", **MTP))
     if want("backends"):
         mode = "full_and_piecewise"
         for b in OTHER_BACKENDS:
@@ -344,7 +348,7 @@ def _floor(runner, model: str, prefix: str = "", **kw) -> dict:
     ulp against the same run unperturbed; ``prefix`` and ``kw`` name and configure another
     pair of those runs (e.g. an FP8 cache on a given backend)."""
     return deviation(
-        runner.run(_spec(model, f"{prefix}noise-eager", False, inject=f"noise:{NOISE}", **kw)),
+        runner.run(_noise_spec(model, prefix, **kw)),
         runner.run(_spec(model, f"{prefix}off-eager", False, **kw)),
     )
 
@@ -551,7 +555,7 @@ def test_fp8_floor_catches_a_planted_bug(gpu_runs):
     runner, report = gpu_runs
     fp8 = dict(kv_cache_dtype="fp8", backend=FP8_BACKEND)
     off = runner.run(_spec(HALF_MODEL, "fp8t-off-eager", False, **fp8))
-    floor = deviation(runner.run(_spec(HALF_MODEL, "fp8t-noise-eager", False, **fp8)), off)
+    floor = deviation(runner.run(_noise_spec(HALF_MODEL, "fp8t-", **fp8)), off)
     bug = deviation(runner.run(_spec(HALF_MODEL, "fp8t-bug-eager", True, **fp8)), off)
     _record(report, f"{HALF_MODEL}/fp8/planted-bug", bug, floor)
     assert judge(bug, floor) != [], (bug, floor)
@@ -728,14 +732,14 @@ def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
     dev = deviation(on, off)
     # noise floors over the steps of the run they judge (harness.deviation: a block-FP8
     # model's activation quantization turns any rounding difference into code steps)
-    noisy = runner.run(_spec(model, "noise-eager", False))
+    noisy = runner.run(_noise_spec(model))
     off_e = runner.run(_spec(model, "off-eager", False))
     floor = deviation(noisy, off_e, dev["steps_compared"] or None)
     m0 = EPI8_BUG_MODEL
     off0 = runner.run(_spec(m0, "off-eager", False))
     bug = deviation(runner.run(_epi8_bug_spec()), off0)
     floor_bug = deviation(
-        runner.run(_spec(m0, "noise-eager", False, inject=f"noise:{NOISE}")),
+        runner.run(_noise_spec(m0)),
         off0,
         bug["steps_compared"] or None,
     )
