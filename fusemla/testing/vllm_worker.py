@@ -13,7 +13,9 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) or not (TP=2). It
 - zeroes the KV caches before the run and dumps them after it;
 - can inject the bugs the tests must catch: ``double_rope`` (the prologue's inputs are rotated
   before the kernel rotates them again), ``double_write`` (vLLM's own cache write also runs
-  for the tokens fusemla writes) and ``rope_off_by_one`` (decode tokens rotated by position + 1);
+  for the tokens fusemla writes), ``rope_off_by_one`` (decode tokens rotated by position + 1)
+  and ``epilogue_scale_shift`` (the FP8 group scales the epilogue hands o_proj rolled by one
+  group within each token: every group's codes read with its neighbour's scale);
 - can perturb vLLM's own path by rounding-sized noise, ``noise:EPS`` (every value vLLM writes to
   the KV cache multiplied by ``1 + EPS * u``, ``u`` uniform in [-1, 1], before any FP8
   quantization), which measures the deviation legitimate rounding differences cause;
@@ -151,6 +153,8 @@ def _install(layers: list, inject: str, capture: bool) -> None:
             return orig_prologue(spec, q_nope, q_pe, kv_c, k_pe, shifted, *a, **kw)
 
         plugin._prologue = off_by_one
+    elif inject == "epilogue_scale_shift":
+        _shift_epilogue_scales()
     elif inject not in ("", "none") and not noise:
         raise ValueError(f"unknown injection {inject!r}")
 
@@ -173,6 +177,26 @@ def _install(layers: list, inject: str, capture: bool) -> None:
                 _log["captures"][_name].append(out.detach().float().cpu().clone())
 
             w.register_forward_hook(hook)
+
+
+def _shift_epilogue_scales() -> None:
+    """Plant ``epilogue_scale_shift``: after each epilogue step that hands o_proj FP8 codes, its
+    group scales are rolled by one group along each token (the codes stay right, so only the
+    handoff's scale layout is wrong: what a stride or group-index slip would do). A step with
+    bf16 output is left alone; the plugin imports the step function at each call, so this
+    reaches it in eager mode."""
+    from fusemla.ops.epilogue import api
+
+    orig = api.mla_epilogue_step
+
+    def shifted(spec, attn_out, *, out=None, scale_out=None):
+        res = orig(spec, attn_out, out=out, scale_out=scale_out)
+        if isinstance(res, tuple):
+            s = res[1]
+            s.copy_(s.roll(1, dims=-1))
+        return res
+
+    api.mla_epilogue_step = shifted
 
 
 def _perturbed(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -59,3 +59,27 @@ def test_no_drafter_and_shared_modules_not_counted_twice():
     shared = torch.nn.Sequential(target[0], _Mla())
     runner = SimpleNamespace(model=target, speculator=SimpleNamespace(model=shared))
     assert len(vllm_worker._worker_layers(runner)) == 4
+
+
+def test_epilogue_scale_shift_rolls_only_the_fp8_scales(device, monkeypatch):
+    """The planted epilogue bug (``epilogue_scale_shift``): after an FP8 step the codes are the
+    epilogue's own and each token's group scales are its true scales rolled by one group
+    (so o_proj would read every group with its neighbour's scale); a bf16 step is untouched."""
+    import fusemla
+    from fusemla.ops.epilogue import api
+
+    monkeypatch.setattr(api, "mla_epilogue_step", api.mla_epilogue_step)  # undone after
+    g = torch.Generator().manual_seed(7)
+    H, L, V, N = 2, 64, 128, 3  # 2 heads x 128 = 2 groups of 128 per token
+    w = torch.randn(H, L, V, generator=g).to(device, torch.bfloat16)
+    x = torch.randn(N, H, L, generator=g).to(device, torch.bfloat16)
+    fp8 = fusemla.epilogue_spec(w, out_dtype=torch.float8_e4m3fn)
+    bf16 = fusemla.epilogue_spec(w)
+    codes, scales = api.mla_epilogue_step(fp8, x)
+    plain = api.mla_epilogue_step(bf16, x)
+    vllm_worker._shift_epilogue_scales()
+    codes_b, scales_b = api.mla_epilogue_step(fp8, x)
+    assert torch.equal(codes_b.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(scales_b, scales.roll(1, dims=-1))
+    assert not torch.equal(scales_b, scales)  # the groups' scales differ: the bug is visible
+    assert torch.equal(api.mla_epilogue_step(bf16, x), plain)

@@ -54,9 +54,10 @@ def test_floor_over_the_judged_runs_steps():
 
 
 def test_narrowed_gpu_suite_keeps_the_planted_bug_on_its_model():
-    """FUSEMLA_VLLM_GPU_MODELS narrows the judged models; the epi8 group's planted bug stays on
-    the model it was calibrated on, injected, with that model's own reference and noise runs
-    (e5c4f82's narrowed run moved it to the 128-head model, where it stays inside the judge)."""
+    """FUSEMLA_VLLM_GPU_MODELS narrows the judged models; the epi8 group's planted bugs stay on
+    the model they were calibrated on, injected, with that model's own reference and noise runs
+    (e5c4f82's narrowed run moved the RoPE one to the 128-head model, where it stays inside
+    the judge)."""
     import os
     import subprocess
 
@@ -65,8 +66,10 @@ def test_narrowed_gpu_suite_keeps_the_planted_bug_on_its_model():
         "s = {x.name: x for x in t.all_specs(tp2=False, groups={'epi8'})}\n"
         "bug = [x for n, x in s.items() if n.endswith('-epi8-bug-eager')]\n"
         "b = bug[0].shape\n"
+        "sb = [x for n, x in s.items() if n.endswith('-epi8-scalebug-eager')]\n"
         "print(t.EPI8_MODELS, len(bug), b, bug[0].inject, f'{b}-off-eager' in s,\n"
-        "      s[f'{b}-noise-eager'].inject.startswith('noise:'))\n"
+        "      s[f'{b}-noise-eager'].inject.startswith('noise:'),\n"
+        "      len(sb), sb[0].shape, sb[0].inject)\n"
     )
     env = {**os.environ, "FUSEMLA_VLLM_GPU_MODELS": "v3-h128-fp8", "FUSEMLA_VLLM_GPU_DRYRUN": ""}
     out = subprocess.run(
@@ -77,4 +80,6 @@ def test_narrowed_gpu_suite_keeps_the_planted_bug_on_its_model():
         text=True,
         check=True,
     ).stdout.strip()
-    assert out == "('v3-h128-fp8',) 1 v3-h16-fp8 rope_off_by_one True True", out
+    assert out == (
+        "('v3-h128-fp8',) 1 v3-h16-fp8 rope_off_by_one True True 1 v3-h16-fp8 epilogue_scale_shift"
+    ), out

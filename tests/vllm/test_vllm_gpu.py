@@ -167,6 +167,15 @@ def _epi8_bug_spec() -> Spec:
     return _spec(EPI8_BUG_MODEL, "epi8-bug-eager", True, inject="rope_off_by_one", env=EPI8_ON)
 
 
+def _epi8_scale_bug_spec() -> Spec:
+    """The epi8 group's planted bug in the epilogue's own handoff: the FP8 group scales it hands
+    o_proj rolled by one group (fusemla.testing.vllm_worker, ``epilogue_scale_shift``), on the
+    same model, reference and noise runs as :func:`_epi8_bug_spec`."""
+    return _spec(
+        EPI8_BUG_MODEL, "epi8-scalebug-eager", True, inject="epilogue_scale_shift", env=EPI8_ON
+    )
+
+
 def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
     """Every run of the suite; ``groups`` (FUSEMLA_VLLM_GPU_ONLY, comma-separated: main, fp8,
     flashmla, epi, epi8, wuk, spec, backends, tp2) restricts them (the noise floor of HALF_MODEL
@@ -243,6 +252,7 @@ def all_specs(tp2: bool, groups: set | None = None) -> list[Spec]:
             specs.append(_noise_spec(m))
         specs += [
             _epi8_bug_spec(),
+            _epi8_scale_bug_spec(),
             _spec(EPI8_BUG_MODEL, "off-eager", False),
             _noise_spec(EPI8_BUG_MODEL),
         ]
@@ -743,14 +753,23 @@ def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
         off0,
         bug["steps_compared"] or None,
     )
+    # the second planted bug is in the epilogue's handoff itself (its group scales rolled)
+    scale_run = runner.run(_epi8_scale_bug_spec())
+    scale_bug = deviation(scale_run, off0)
+    floor_scale_bug = deviation(
+        runner.run(_noise_spec(m0)),
+        off0,
+        scale_bug["steps_compared"] or None,
+    )
     s = stats(on)
     _record(
         report,
         f"{model}/epilogue-fp8-{variant}/{mode}",
         dev,
         floor,
-        {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"], "stats": s,
-         "kernels_on": on["kernels"]},
+        {"bug_out": bug["out"], "bug_logprob_rel": bug["logprob_rel"],
+         "scale_bug_out": scale_bug["out"], "scale_bug_logprob_rel": scale_bug["logprob_rel"],
+         "stats": s, "kernels_on": on["kernels"]},
     )  # fmt: skip
     # greedy tokens: what this model's own noise flips may flip (harness.noise_tie_margin)
     tie = noise_tie_margin(noisy, off_e)
@@ -758,6 +777,9 @@ def test_epilogue_fp8_checkpoint(gpu_runs, model, mode, variant):
     assert token_problems(on, off, margin=tie) == []
     assert judge(dev, floor) == []
     assert judge(bug, floor_bug) != [], (bug, floor_bug)  # it catches a planted bug here
+    # ... and one in the epilogue's handoff, which ran on every decode step of that run
+    assert judge(scale_bug, floor_scale_bug) != [], (scale_bug, floor_scale_bug)
+    assert stats(scale_run)["epilogue_fp8_tokens"] == stats(scale_run)["decode_tokens"] > 0
     check_fused(on, off)
     layers = on["backends"][0]["layers"]
     assert s["layers_epilogue"] == layers and s["layers_epilogue_fp8"] == layers, s
