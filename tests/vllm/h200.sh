@@ -29,8 +29,9 @@
 #   bash tests/vllm/h200.sh warm-save   # the caches a lease's first engine fills, to $OUT
 #   bash tests/vllm/h200.sh warm-load   # restore them from $VG/warm/ (carried), before `depth`
 #
-# Parts: a call carries at most 64 MiB with the checkout (~15 MB of tracked files in 2026-12):
-# build the bundle with PART_SIZE=45M (17 parts for vLLM 0.33), not the builder's default 60M.
+# Parts: a call carries at most 64 MiB with the checkout (~20 MB of tracked files on 2026-12-08,
+# growing with the committed results): build the bundle with PART_SIZE=40M (19 parts for vLLM
+# 0.33), not the builder's default 60M (45M parts no longer fit beside the checkout).
 #
 # Warm caches (docs/method.md): `depth-wait` saves them once its jobs are done
 # (warm_<commit>.txz.NN in $OUT); copy the parts into $VG/warm/ here and carry them in one call
