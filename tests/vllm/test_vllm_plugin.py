@@ -242,7 +242,8 @@ def test_epilogue_fp8_handoff_to_block_fp8_o_proj(runner, variant):
     epilogue as FP8 codes + group scales in o_proj's own layout and go straight into its
     block-FP8 GEMM (o_proj's input quantization skipped for them; prefill rows through it);
     with FUSEMLA_VLLM_W_UK=stored both BMMs read the checkpoint's codes and block scales as
-    stored. Within bf16 noise of vLLM's own FP8 path; a planted bug is not."""
+    stored. Within bf16 noise of vLLM's own FP8 path; two planted bugs are not (RoPE +1, and
+    the handoff's group scales rolled by one group: 0.99 against a floor of 0.12 here)."""
     env = {"FUSEMLA_VLLM_EPILOGUE": "1"}
     if variant == "stored":
         env["FUSEMLA_VLLM_W_UK"] = "stored"
@@ -253,15 +254,25 @@ def test_epilogue_fp8_handoff_to_block_fp8_o_proj(runner, variant):
         runner.run(fp8("bug", True, inject="rope_off_by_one", env={"FUSEMLA_VLLM_EPILOGUE": "1"})),
         off,
     )
+    # a planted bug in the handoff itself: the FP8 group scales handed to o_proj rolled by one
+    # group (two heads: each head's codes read with the other's scale)
+    scale_run = runner.run(
+        fp8("scale-bug", True, inject="epilogue_scale_shift", env={"FUSEMLA_VLLM_EPILOGUE": "1"})
+    )
+    scale_bug = deviation(scale_run, off)
     d = deviation(on, off)
     # each judged over the steps it compared (see harness.deviation)
     floor = deviation(noisy, off, max_steps=d["steps_compared"])
     floor_bug = deviation(noisy, off, max_steps=bug["steps_compared"])
+    floor_scale_bug = deviation(noisy, off, max_steps=scale_bug["steps_compared"])
     assert "Selected EmulatedFp8BlockKernel" in off["log"]
     assert token_problems(on, off) == [] and accounting_problems(on, off) == []
     assert d["steps_compared"] >= 3, d
     assert harness.judge(d, floor) == [], (d, floor)
     assert harness.judge(bug, floor_bug) != [], (bug, floor_bug)
+    assert harness.judge(scale_bug, floor_scale_bug) != [], (scale_bug, floor_scale_bug)
+    ss = stats(scale_run)
+    assert ss["epilogue_fp8_tokens"] == ss["decode_tokens"] > 0, ss  # the bug ran every step
     check_fused_everywhere(on, off)
     s = stats(on)
     layers = n_layers(on)
